@@ -1,0 +1,47 @@
+# `make demo` and `make test` do their own set-up on a fresh machine.
+# Without CUDA the install takes the CPU build of torch (TORCH_CPU); a torch already in the
+# environment is kept.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+RLHF := $(VENV)/bin/rlhf
+TORCH_CPU ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+RECIPE ?= recipes/tiny.yaml
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+
+.PHONY: install demo test lint bench docs clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	  echo "keeping installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q torch; \
+	else \
+	  $(PY) -m pip install -q "$(TORCH_CPU)"; \
+	fi
+	$(PY) -m pip install -q -e '.[dev,report]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(RLHF) validate --recipe $(RECIPE) > /dev/null
+	$(RLHF) sft --recipe $(RECIPE)
+	$(RLHF) train-rm
+	@echo "demo done: artifacts under runs/$$($(PY) -c 'import yaml,sys; print(yaml.safe_load(open("$(RECIPE)"))["run"]["name"])')/"
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check rlhf_cli tests scripts bench
+
+docs: $(STAMP)
+	$(PY) -m rlhf_cli.recipe > docs/recipes.md
+
+clean:
+	rm -rf runs .pytest_cache

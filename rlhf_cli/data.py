@@ -1,0 +1,149 @@
+"""Datasets of each stage: local JSON/JSONL/CSV/Parquet files or hub names, through `datasets`.
+
+Row shapes understood:
+- prompts: `prompt`, `instruction`, or HH-RLHF's `chosen` dialogue (the first human turn, as in
+  the guide's `prepare_prompt_dataset`).
+- preference pairs: `prompt`/`chosen`/`rejected`, or HH-RLHF's two full dialogues
+  `chosen`/`rejected` (split at the last assistant turn into a shared prompt and two responses).
+- SFT: `messages` (chat), `prompt`/`response` (also `prompt`/`completion`, `instruction`/`output`),
+  or `text`.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from rlhf_cli.errors import DataError
+from rlhf_cli.recipe import DataSource, PromptSource
+
+HH_HUMAN = "\n\nHuman:"
+HH_ASSISTANT = "\n\nAssistant:"
+FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_rows(source: DataSource, cache_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    """All rows of a data source as dicts (the first `max_samples` when set)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(source.path)
+    try:
+        if path.suffix in FORMATS and path.exists():
+            ds = datasets.load_dataset(FORMATS[path.suffix], data_files=str(path), split="train",
+                                       cache_dir=str(cache_dir) if cache_dir else None)
+        elif path.suffix == ".txt" and path.exists():
+            lines = path.read_text(encoding="utf-8").splitlines()
+            rows = [{"prompt": line.strip()} for line in lines if line.strip()]
+            return rows[: source.max_samples] if source.max_samples else rows
+        else:
+            ds = datasets.load_dataset(source.path, split=source.split,
+                                       cache_dir=str(cache_dir) if cache_dir else None)
+    except Exception as exc:  # datasets raises many types; all mean "cannot read this source"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        raise DataError(f"cannot load dataset '{source.path}': {first}") from None
+    if source.max_samples:
+        ds = ds.select(range(min(source.max_samples, len(ds))))
+    rows = ds.to_list()
+    if not rows:
+        raise DataError(f"dataset '{source.path}' is empty")
+    return rows
+
+
+def _require(rows: list[dict[str, Any]], source: DataSource, *options: tuple[str, ...]) -> None:
+    columns = set(rows[0]) if rows else set()
+    if not any(set(opt) <= columns for opt in options):
+        wanted = " or ".join("/".join(opt) for opt in options)
+        raise DataError(f"dataset '{source.path}' needs columns {wanted}; "
+                        f"it has {', '.join(sorted(columns)) or 'none'}")
+
+
+def hh_human_turn(dialogue: str) -> str:
+    """The first human turn of an HH-RLHF dialogue (the guide's parsing)."""
+    return dialogue.split(HH_ASSISTANT)[0].replace("Human: ", "").strip()
+
+
+def hh_split(dialogue: str) -> tuple[str, str]:
+    """Split an HH-RLHF dialogue at its last assistant turn: (prompt, response).
+
+    The prompt is the dialogue before that turn without the leading `Human: `, so that the
+    reward template `Human: {prompt}\\n\\nAssistant: {response}` rebuilds the dialogue.
+    """
+    head, sep, response = dialogue.rpartition(HH_ASSISTANT)
+    if not sep:
+        raise DataError("an HH-RLHF dialogue has no '\\n\\nAssistant:' turn")
+    return head.strip().removeprefix("Human:").strip(), response.strip()
+
+
+def row_prompt(row: dict[str, Any]) -> str:
+    if row.get("prompt"):
+        return str(row["prompt"])
+    if row.get("instruction"):
+        return str(row["instruction"])
+    if row.get("chosen"):
+        return hh_human_turn(str(row["chosen"]))
+    return ""
+
+
+def load_prompts(source: PromptSource, cache_dir: str | Path | None = None) -> list[str]:
+    """PPO prompts: short ones dropped (`min_words`), long ones cut to `max_chars`."""
+    rows = load_rows(source, cache_dir)
+    _require(rows, source, ("prompt",), ("instruction",), ("chosen",))
+    prompts = [p.strip()[: source.max_chars] for p in map(row_prompt, rows)]
+    prompts = [p for p in prompts if p and len(p.split()) >= source.min_words]
+    if not prompts:
+        raise DataError(f"no prompt of '{source.path}' has {source.min_words} words or more "
+                        f"(data.prompts.min_words)")
+    return prompts
+
+
+def load_preferences(source: DataSource,
+                     cache_dir: str | Path | None = None) -> list[dict[str, str]]:
+    """Preference pairs as `prompt`/`chosen`/`rejected` strings."""
+    rows = load_rows(source, cache_dir)
+    _require(rows, source, ("prompt", "chosen", "rejected"), ("chosen", "rejected"))
+    pairs = []
+    for row in rows:
+        if "prompt" in row:
+            pairs.append({"prompt": str(row["prompt"]), "chosen": str(row["chosen"]),
+                          "rejected": str(row["rejected"])})
+            continue
+        prompt, chosen = hh_split(str(row["chosen"]))
+        _, rejected = hh_split(str(row["rejected"]))
+        pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return pairs
+
+
+def load_sft(source: DataSource, chat: bool,
+             cache_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    """SFT rows in one of TRL's formats: conversational prompt/completion, messages, or text."""
+    rows = load_rows(source, cache_dir)
+    _require(rows, source, ("messages",), ("prompt", "response"), ("prompt", "completion"),
+             ("instruction", "output"), ("text",))
+    out = []
+    for row in rows:
+        if "messages" in row:
+            out.append({"messages": row["messages"]})
+            continue
+        if "text" in row and not ("prompt" in row or "instruction" in row):
+            out.append({"text": str(row["text"])})
+            continue
+        prompt = str(row.get("prompt") or row.get("instruction") or "")
+        answer = str(row.get("response") or row.get("completion") or row.get("output") or "")
+        if chat:
+            out.append({"prompt": [{"role": "user", "content": prompt}],
+                        "completion": [{"role": "assistant", "content": answer}]})
+        else:
+            out.append({"prompt": prompt, "completion": answer})
+    return out
+
+
+def split_eval(rows: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
+    """A seeded shuffle split into (train, eval); at least one row on each side."""
+    if len(rows) < 2:
+        raise DataError(f"need at least 2 rows to hold some out for evaluation, got {len(rows)}")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_eval = min(max(1, round(len(rows) * fraction)), len(rows) - 1)
+    return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]

@@ -1,0 +1,374 @@
+"""PPO maths for language models as small, pure tensor functions.
+
+No model, no I/O: every function maps tensors to tensors.
+
+Shape notation: ``b`` = batch size, ``response_len`` = number of response tokens,
+``t`` = sequence positions, ``vocab`` = vocabulary size.
+
+Mask convention (one for the whole module): a mask is a bool or 0/1 tensor of shape
+``(b, response_len)`` where True/1 marks a valid token. Tokens after the end of a
+response (padding) are masked out. Values at masked positions never influence a
+result, even when they are huge, inf or garbage.
+
+References
+----------
+- [PPO] Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7.
+- [GAE] Schulman et al. 2016, "High-Dimensional Continuous Control Using
+  Generalized Advantage Estimation", eq. 16.
+- [Ziegler] Ziegler et al. 2019, "Fine-Tuning Language Models from Human
+  Preferences", adaptive KL controller (sec. 2.2).
+- [Huang] Huang et al. 2023, "The N Implementation Details of RLHF with PPO".
+- [TRL] TRL's old ``ppo_trainer.py`` / ``core.py`` (``masked_whiten``,
+  ``compute_advantages``, ``loss``, ``AdaptiveKLController``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+WHITEN_EPS = 1e-8
+
+
+def _bool_mask(mask: Tensor) -> Tensor:
+    """Return ``mask`` as a bool tensor (accepts bool or 0/1 masks)."""
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+# --------------------------------------------------------------------------- masked statistics
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over the valid (mask True) elements. [TRL ``masked_mean``]
+
+    Args:
+        x: ``(b, response_len)`` (any shape equal to ``mask``'s).
+        mask: ``(b, response_len)`` bool or 0/1, True = valid.
+        dim: if given, the mean is taken along this dim only (one value per row).
+
+    Returns:
+        A scalar tensor, or ``(b,)`` when ``dim=1``. An all-masked row along ``dim``
+        (or an all-masked input when ``dim`` is None) gives 0, not NaN.
+    """
+    m = _bool_mask(mask)
+    total = torch.where(m, x, torch.zeros_like(x)).sum(dim=dim)
+    count = m.sum(dim=dim).clamp(min=1).to(total.dtype)
+    return total / count
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of ``x`` over all valid elements (one scalar). [TRL ``masked_var``]
+
+    Args:
+        x: ``(b, response_len)``.
+        mask: ``(b, response_len)`` bool or 0/1, True = valid.
+        unbiased: apply Bessel's correction ``n / (n - 1)``.
+
+    Returns:
+        Scalar tensor. With fewer than 2 valid elements the unbiased variance is
+        0 (denominator clamped to 1), not NaN/inf.
+    """
+    m = _bool_mask(mask)
+    mean = masked_mean(x, m)
+    centered = torch.where(m, x - mean, torch.zeros_like(x))
+    n = m.sum().to(x.dtype)
+    denom = (n - 1).clamp(min=1) if unbiased else n.clamp(min=1)
+    return (centered**2).sum() / denom
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """Whiten ``x`` with statistics of its valid elements. [TRL ``masked_whiten``, Huang]
+
+    ``whitened = (x - mean) * rsqrt(var + 1e-8)`` with mean and unbiased variance over
+    the valid elements only; if ``shift_mean`` is False the mean is added back.
+
+    Args:
+        x: ``(b, response_len)``.
+        mask: ``(b, response_len)`` bool or 0/1, True = valid.
+        shift_mean: if False, keep the original mean (used for rewards).
+
+    Returns:
+        ``(b, response_len)``; masked-out positions are 0.
+    """
+    m = _bool_mask(mask)
+    mean = masked_mean(x, m)
+    var = masked_var(x, m, unbiased=True)
+    whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(m, whitened, torch.zeros_like(whitened))
+
+
+# --------------------------------------------------------------------------- advantages, rewards
+
+
+def compute_gae(
+    values: Tensor, rewards: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation per response. [GAE eq. 16, TRL, Huang]
+
+    Computed backwards over ``response_len``::
+
+        delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * m_{t+1} * A_{t+1}
+
+    Values and rewards at masked positions are zeroed first, so nothing leaks in
+    from padding. Advantages are not whitened. No detaching is done: pass detached
+    tensors if no gradient should flow.
+
+    Args:
+        values: ``(b, response_len)`` float, value estimates V_t.
+        rewards: ``(b, response_len)`` float, per-token rewards r_t.
+        mask: ``(b, response_len)`` bool or 0/1, True = valid.
+        gamma: discount factor.
+        lam: GAE lambda.
+
+    Returns:
+        ``(advantages, returns)``, both ``(b, response_len)``; ``returns =
+        advantages + values`` at valid positions; both are 0 at masked positions.
+    """
+    if values.shape[1] == 0:
+        return torch.zeros_like(values), torch.zeros_like(values)
+    m = _bool_mask(mask)
+    mf = m.to(values.dtype)
+    values = torch.where(m, values, torch.zeros_like(values))
+    rewards = torch.where(m, rewards, torch.zeros_like(rewards))
+    pad = torch.zeros_like(values[:, :1])
+    next_mask = torch.cat([mf[:, 1:], pad], dim=1)
+    next_values = torch.cat([values[:, 1:], pad], dim=1) * next_mask
+    deltas = rewards + gamma * next_values - values
+
+    last = torch.zeros_like(values[:, 0])
+    reversed_adv = []
+    for t in reversed(range(values.shape[1])):
+        last = deltas[:, t] + gamma * lam * next_mask[:, t] * last
+        reversed_adv.append(last)
+    advantages = torch.stack(reversed_adv[::-1], dim=1) * mf
+    returns = (advantages + values) * mf
+    return advantages, returns
+
+
+def _last_valid_index(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Index of the last True position per row of a ``(b, response_len)`` mask.
+
+    Returns ``(index, has_any)``, both ``(b,)``; ``index`` is 0 where ``has_any`` is
+    False. Works for any mask layout, not only right-padded prefix masks.
+    """
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    idx = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
+    has_any = idx >= 0
+    return idx.clamp(min=0), has_any
+
+
+def kl_penalized_rewards(
+    scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kl_coef: float
+) -> tuple[Tensor, Tensor]:
+    """Per-token rewards: KL penalty plus the score on the last token. [Ziegler, Huang, TRL]
+
+    ``kl = (logprobs - ref_logprobs) * mask`` (the k1 estimator, per token);
+    ``rewards = -kl_coef * kl`` and ``scores[i]`` is added at the last valid token of
+    row i (found as the max index where the mask is True). An all-masked row gets
+    no score.
+
+    Args:
+        scores: ``(b,)`` reward-model scores, one per response.
+        logprobs: ``(b, response_len)`` log-probs of the policy.
+        ref_logprobs: ``(b, response_len)`` log-probs of the reference model.
+        mask: ``(b, response_len)`` bool or 0/1, True = valid.
+        kl_coef: KL penalty coefficient beta.
+
+    Returns:
+        ``(rewards, kl)``, both ``(b, response_len)``, 0 at masked positions.
+    """
+    m = _bool_mask(mask)
+    diff = logprobs - ref_logprobs
+    kl = torch.where(m, diff, torch.zeros_like(diff))
+    rewards = -kl_coef * kl
+    idx, has_any = _last_valid_index(m)
+    bonus = torch.where(has_any, scores.to(rewards.dtype), torch.zeros_like(rewards[:, 0]))
+    rewards = rewards.scatter_add(1, idx.unsqueeze(1), bonus.unsqueeze(1))
+    return rewards, kl
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def ppo_policy_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cliprange: float
+) -> tuple[Tensor, Tensor]:
+    """Clipped surrogate policy loss. [PPO eq. 7, TRL ``loss``]
+
+    ``ratio = exp(logprobs - old_logprobs)``;
+    ``loss = masked_mean(max(-A * ratio, -A * clamp(ratio, 1 - eps, 1 + eps)))``
+    (the negation of PPO's min objective).
+
+    Args:
+        logprobs: ``(b, response_len)`` log-probs under the current policy.
+        old_logprobs: ``(b, response_len)`` log-probs under the rollout policy.
+        advantages: ``(b, response_len)`` advantages.
+        mask: ``(b, response_len)`` bool or 0/1, True = valid.
+        cliprange: epsilon.
+
+    Returns:
+        ``(loss, clipfrac)`` scalar tensors; ``clipfrac`` is the share of valid
+        tokens where the clipped term is strictly the one taken.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
+    clipfrac = masked_mean((pg_losses2 > pg_losses).to(logprobs.dtype), mask)
+    return loss, clipfrac
+
+
+def ppo_value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange_value: float
+) -> Tensor:
+    """Clipped value loss. [TRL ``loss``, Huang]
+
+    ``values_clipped = old_values + clamp(values - old_values, -c, c)``;
+    ``loss = 0.5 * masked_mean(max((values - returns)^2, (values_clipped - returns)^2))``.
+
+    Args:
+        values: ``(b, response_len)`` current value predictions.
+        old_values: ``(b, response_len)`` value predictions at rollout time.
+        returns: ``(b, response_len)`` GAE returns.
+        mask: ``(b, response_len)`` bool or 0/1, True = valid.
+        cliprange_value: c.
+
+    Returns:
+        Scalar tensor.
+    """
+    values_clipped = old_values + torch.clamp(
+        values - old_values, -cliprange_value, cliprange_value
+    )
+    vf_losses1 = (values - returns) ** 2
+    vf_losses2 = (values_clipped - returns) ** 2
+    return 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+
+
+# --------------------------------------------------------------------------- logits, diagnostics
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of ``softmax(logits)`` per position. [TRL ``entropy_from_logits``]
+
+    ``H = logsumexp(logits) - sum(softmax(logits) * logits)``.
+
+    Args:
+        logits: ``(b, t, vocab)``.
+
+    Returns:
+        ``(b, t)``.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """Log-probability of ``labels`` under ``log_softmax(logits)``. [TRL]
+
+    Args:
+        logits: ``(b, t, vocab)``.
+        labels: ``(b, t)`` long token ids.
+
+    Returns:
+        ``(b, t)``.
+    """
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """``1 - var(returns - values) / var(returns)`` over valid elements. [Huang, TRL]
+
+    Uses the unbiased :func:`masked_var`. Returns 0.0 when ``var(returns)`` is 0
+    (instead of NaN/inf).
+
+    Args:
+        values: ``(b, response_len)`` value predictions.
+        returns: ``(b, response_len)`` returns.
+        mask: ``(b, response_len)`` bool or 0/1, True = valid.
+
+    Returns:
+        Scalar float tensor.
+    """
+    var_y = masked_var(returns, mask)
+    var_diff = masked_var(returns - values, mask)
+    safe = torch.where(var_y > 0, var_y, torch.ones_like(var_y))
+    return torch.where(var_y > 0, 1.0 - var_diff / safe, torch.zeros_like(var_y))
+
+
+def approx_kl(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Approximate KL between old and new policy: ``0.5 * mean((logp - old_logp)^2)``.
+
+    The k2 estimator as logged in [TRL] / [Huang].
+
+    Args:
+        logprobs: ``(b, response_len)``.
+        old_logprobs: ``(b, response_len)``.
+        mask: ``(b, response_len)`` bool or 0/1, True = valid.
+
+    Returns:
+        Scalar tensor.
+    """
+    return 0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask)
+
+
+# --------------------------------------------------------------------------- KL controllers
+
+
+class AdaptiveKLController:
+    """Proportional KL-coefficient controller. [Ziegler sec. 2.2, TRL]
+
+    ``e = clip(current_kl / target - 1, -0.2, 0.2)``;
+    ``value *= 1 + e * n_steps / horizon``.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
+        self._value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    @property
+    def value(self) -> float:
+        """Current KL coefficient."""
+        return self._value
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Adapt the coefficient towards ``target`` after ``n_steps`` samples."""
+        proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self._value *= 1.0 + proportional_error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        """State for checkpointing."""
+        return {"value": self._value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, d: dict[str, float]) -> None:
+        """Restore state saved by :meth:`state_dict`."""
+        self._value = float(d["value"])
+        self.target = float(d.get("target", self.target))
+        self.horizon = int(d.get("horizon", self.horizon))
+
+
+class FixedKLController:
+    """Constant KL coefficient with the :class:`AdaptiveKLController` interface."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self._value = float(kl_coef)
+
+    @property
+    def value(self) -> float:
+        """Current (constant) KL coefficient."""
+        return self._value
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Do nothing: the coefficient is fixed."""
+
+    def state_dict(self) -> dict[str, float]:
+        """State for checkpointing."""
+        return {"value": self._value}
+
+    def load_state_dict(self, d: dict[str, float]) -> None:
+        """Restore state saved by :meth:`state_dict`."""
+        self._value = float(d["value"])

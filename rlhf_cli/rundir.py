@@ -1,0 +1,198 @@
+"""The run directory: the only interface between stages.
+
+```
+runs/<run.name>/recipe.yaml          resolved recipe snapshot
+runs/<run.name>/<stage>/manifest.json
+runs/LATEST                          name of the last run touched
+```
+A stage reads only manifests and the paths they name. Manifests are written atomically (a temp
+file in the same folder, fsync, rename), so a crash never leaves half a manifest behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from rlhf_cli.errors import StageError
+from rlhf_cli.recipe import Recipe
+
+STAGE_COMMANDS = {
+    "sft": "rlhf sft",
+    "rm": "rlhf train-rm",
+    "ppo": "rlhf ppo",
+    "audit": "rlhf audit",
+    "merged": "rlhf merge",
+    "push": "rlhf push",
+}
+VERSIONED_PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets",
+                      "bitsandbytes", "rlhf-cli")
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old file or the new one, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+class RunDir:
+    """Paths of one run, its stages' manifests, and the `LATEST` pointer."""
+
+    def __init__(self, output_dir: str | Path, name: str):
+        self.output_dir = Path(output_dir)
+        self.name = name
+        self.path = self.output_dir / name
+
+    @classmethod
+    def for_recipe(cls, recipe: Recipe) -> RunDir:
+        return cls(recipe.run.output_dir, recipe.run.name)
+
+    @classmethod
+    def latest(cls, output_dir: str | Path = "runs") -> RunDir | None:
+        pointer = Path(output_dir) / "LATEST"
+        if not pointer.is_file():
+            return None
+        name = pointer.read_text().strip()
+        return cls(output_dir, name) if name and (Path(output_dir) / name).is_dir() else None
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.path / stage
+
+    def manifest_path(self, stage: str) -> Path:
+        return self.stage_dir(stage) / "manifest.json"
+
+    def recipe_path(self) -> Path:
+        return self.path / "recipe.yaml"
+
+    def prepare(self, recipe: Recipe) -> None:
+        """Create the run folder, snapshot the resolved recipe, point LATEST here."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.recipe_path(), recipe.to_yaml().encode())
+        atomic_write_bytes(self.output_dir / "LATEST", (self.name + "\n").encode())
+
+    def read_manifest(self, stage: str) -> dict[str, Any] | None:
+        path = self.manifest_path(stage)
+        if not path.is_file():
+            return None
+        return json.loads(path.read_text())
+
+    def require(self, stage: str, needed_by: str) -> dict[str, Any]:
+        """The completed manifest of `stage`, or a StageError naming the command to run first."""
+        manifest = self.read_manifest(stage)
+        command = STAGE_COMMANDS[stage]
+        if manifest is None:
+            raise StageError(f"{needed_by} needs the {stage} stage of run '{self.name}', which is "
+                             f"missing ({self.stage_dir(stage)}): run `{command}` first")
+        if manifest.get("status") != "completed":
+            raise StageError(f"{needed_by} needs the {stage} stage of run '{self.name}', whose "
+                             f"status is '{manifest.get('status')}': run `{command}` again first")
+        return manifest
+
+    def input_record(self, stage: str) -> dict[str, str]:
+        """How a consuming stage records an input: its folder and its manifest's hash."""
+        return {"path": str(self.stage_dir(stage)),
+                "manifest_sha256": file_sha256(self.manifest_path(stage))}
+
+    def resolve_output(self, stage: str, manifest: dict[str, Any], name: str) -> Path:
+        """Absolute path of output `name` declared in a stage's manifest."""
+        try:
+            return self.stage_dir(stage) / manifest["outputs"][name]
+        except KeyError:
+            raise StageError(f"the {stage} manifest of run '{self.name}' lists no output "
+                             f"'{name}': run `{STAGE_COMMANDS[stage]}` again") from None
+
+
+class StageRecord:
+    """Context manager that keeps a stage's manifest true while it runs.
+
+    Enter: status `running`. Normal exit: `completed`. KeyboardInterrupt: `interrupted`.
+    Any other exception: `failed` with the error's one-line summary. Each write is atomic.
+    """
+
+    def __init__(self, run: RunDir, stage: str, recipe: Recipe, inputs: dict[str, Any],
+                 write: bool = True):
+        self.run, self.stage, self.write = run, stage, write
+        self.dir = run.stage_dir(stage)
+        self.manifest: dict[str, Any] = {
+            "stage": stage,
+            "status": "running",
+            "run": run.name,
+            "started_at": now_iso(),
+            "finished_at": None,
+            "recipe_sha256": recipe.sha256(),
+            "inputs": inputs,
+            "outputs": {},
+            "metrics": {},
+            "warnings": [],
+            "versions": package_versions(),
+        }
+
+    def save(self) -> None:
+        if self.write:
+            atomic_write_json(self.run.manifest_path(self.stage), self.manifest)
+
+    def warn(self, message: str) -> None:
+        if message not in self.manifest["warnings"]:
+            self.manifest["warnings"].append(message)
+
+    def __enter__(self) -> StageRecord:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.save()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.manifest["status"] = "completed"
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.manifest["status"] = "interrupted"
+        else:
+            self.manifest["status"] = "failed"
+            self.manifest["error"] = f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        self.manifest["finished_at"] = now_iso()
+        self.save()

@@ -1,0 +1,117 @@
+"""Stage 3 of the guide: a reward model from preference pairs, with TRL's RewardTrainer.
+
+Pairs are pre-tokenised here (`chosen_ids` / `rejected_ids`) through `reward.template`, the same
+text PPO scores later, truncated to `reward.max_length` with the count reported. TRL then skips
+its own processing, which also avoids its need for an EOS token (MiniLM has none).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from rlhf_cli.data import load_preferences, split_eval
+from rlhf_cli.errors import StageError
+from rlhf_cli.modeling import freeze, load_reward_model, load_tokenizer, lora_config, pick_device
+from rlhf_cli.modeling import resolve_dtype
+from rlhf_cli.recipe import Recipe
+from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json
+from rlhf_cli.scoring import RewardScorer
+from rlhf_cli.stages.common import RichProgressCallback, drop_printer, seed_everything
+from rlhf_cli.stages.common import trainer_kwargs
+from rlhf_cli.tracking import MetricsWriter
+
+
+def pairwise_eval(scorer: RewardScorer, pairs: list[dict[str, str]]) -> dict[str, float]:
+    """Held-out pairwise accuracy (chosen scored above rejected) and mean margin."""
+    prompts = [p["prompt"] for p in pairs]
+    chosen, _ = scorer.score(prompts, [p["chosen"] for p in pairs])
+    rejected, _ = scorer.score(prompts, [p["rejected"] for p in pairs])
+    margin = chosen - rejected
+    return {"accuracy": float((margin > 0).float().mean()), "margin": float(margin.mean()),
+            "chosen_mean": float(chosen.mean()), "rejected_mean": float(rejected.mean())}
+
+
+def run_train_rm(recipe: Recipe, console: Console) -> dict[str, Any]:
+    """Train the reward model; write `runs/<name>/rm/`; return its manifest."""
+    from accelerate import PartialState
+    from datasets import Dataset
+    from peft import get_peft_model
+    from trl import RewardConfig, RewardTrainer
+
+    cfg, run = recipe.reward, RunDir.for_recipe(recipe)
+    if cfg.pretrained is not None:
+        raise StageError(f"reward.pretrained is set ({cfg.pretrained}): there is no reward model "
+                         "to train, `rlhf ppo` uses it directly")
+    is_main = PartialState().is_main_process
+    if is_main:
+        run.prepare(recipe)
+    seed_everything(recipe.run.seed)
+    device = pick_device(recipe.run.device)
+    with StageRecord(run, "rm", recipe, inputs={}, write=is_main) as record:
+        # 1. Data: pairs → template text → reward-tokenizer ids, truncation counted.
+        tokenizer = load_tokenizer(cfg.tokenizer or cfg.base_model, cfg.trust_remote_code,
+                                   padding_side="right")
+        pairs = load_preferences(recipe.data.preferences, cache_dir=run.path / ".cache")
+        train_pairs, eval_pairs = split_eval(pairs, recipe.data.preferences.eval_fraction,
+                                             recipe.run.seed)
+        model = load_reward_model(cfg.base_model, device, cfg.dtype, cfg.trust_remote_code)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        scorer = RewardScorer(model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size)
+        prompts = [p["prompt"] for p in train_pairs]
+        chosen_ids, n_trunc_c = scorer.encode(scorer.texts(prompts, [p["chosen"] for p in
+                                                                     train_pairs]))
+        rejected_ids, n_trunc_r = scorer.encode(scorer.texts(prompts, [p["rejected"] for p in
+                                                                       train_pairs]))
+        if n_trunc_c + n_trunc_r:
+            record.warn(f"{n_trunc_c + n_trunc_r} of {2 * len(train_pairs)} training texts were "
+                        f"longer than reward.max_length ({cfg.max_length}) and truncated")
+        train_ds = Dataset.from_dict({"chosen_ids": chosen_ids, "rejected_ids": rejected_ids})
+
+        # 2. Model: full fine-tuning or LoRA on the 1-logit head's backbone.
+        if cfg.lora.enabled:
+            model = get_peft_model(model, lora_config(cfg.lora, "SEQ_CLS"))
+        start = pairwise_eval(scorer, eval_pairs)
+
+        # 3. Train.
+        dtype = resolve_dtype(cfg.dtype, device)
+        kwargs = trainer_kwargs(cfg, device, dtype, record.dir, recipe.run.seed)
+        kwargs["eval_strategy"] = "no"  # held-out pairs are scored by `pairwise_eval` instead
+        args = RewardConfig(**kwargs, max_length=cfg.max_length)
+        writer = MetricsWriter(record.dir / "metrics.jsonl", recipe.run.trackers, enabled=is_main)
+        progress = RichProgressCallback(console, writer, "train-rm")
+        trainer = RewardTrainer(model=model, args=args, processing_class=tokenizer,
+                                train_dataset=train_ds, callbacks=[progress])
+        drop_printer(trainer)
+        try:
+            result = trainer.train()
+        finally:
+            progress.progress.stop()
+            writer.close()
+
+        # 4. Evaluate on held-out pairs with the scorer PPO will use; save a plain model.
+        model = trainer.model.merge_and_unload() if cfg.lora.enabled else trainer.model
+        freeze(model)
+        scorer.model = model
+        final = pairwise_eval(scorer, eval_pairs)
+        if is_main:
+            model.save_pretrained(record.dir / "model")
+            tokenizer.save_pretrained(record.dir / "model")
+            atomic_write_json(record.dir / "eval.json", {"before": start, "after": final,
+                                                         "eval_pairs": len(eval_pairs)})
+            record.manifest["outputs"] = {"model": "model", "tokenizer": "model",
+                                          "eval": "eval.json", "metrics": "metrics.jsonl",
+                                          "train_prompts": "train_prompts.json"}
+            record.manifest["template"] = cfg.template
+            record.manifest["max_length"] = cfg.max_length
+            atomic_write_json(record.dir / "train_prompts.json",
+                              sorted({p["prompt"] for p in train_pairs}))
+            record.manifest["metrics"] = {
+                "eval_accuracy": final["accuracy"], "eval_margin": final["margin"],
+                "eval_accuracy_start": start["accuracy"], "train_loss": result.training_loss,
+                "steps": result.global_step, "train_pairs": len(train_pairs),
+                "eval_pairs": len(eval_pairs), "truncated_texts": n_trunc_c + n_trunc_r,
+            }
+    return record.manifest
+

@@ -1,0 +1,83 @@
+"""Where numbers go: metrics.jsonl, optional TensorBoard / wandb, and the rich console."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import TimeRemainingColumn
+
+
+def make_console(quiet: bool = False, json_mode: bool = False) -> Console:
+    """Human output goes to stderr so that `--json` leaves stdout to the JSON alone."""
+    return Console(stderr=True, quiet=quiet or json_mode, highlight=False)
+
+
+def make_progress(console: Console) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                    console=console, transient=False, disable=console.quiet)
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/inf: write them as null rather than an invalid file."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON object a line and flushes each, so a killed run keeps what it logged."""
+
+    def __init__(self, path: Path, trackers: list[str] | None = None, enabled: bool = True,
+                 resume: bool = False):
+        self.path, self.enabled = path, enabled
+        self._tb = self._wandb = None
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = open(path, "a" if resume else "w", encoding="utf-8")
+        for tracker in trackers or []:
+            if tracker == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(path.parent / "tensorboard"))
+            elif tracker == "wandb":
+                import wandb
+
+                self._wandb = wandb.init(project="rlhf-cli", name=path.parent.parent.name,
+                                         resume="allow")
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, "time": round(time.time(), 3),
+               **{k: _clean(v) for k, v in metrics.items()}}
+        self._handle.write(json.dumps(row) + "\n")
+        self._handle.flush()
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self._tb is not None:
+            for key, value in numeric.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._handle.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,414 @@
+"""Unit tests for rlhf_cli.ppo.core: hand-computed values and a loop-free GAE reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from rlhf_cli.ppo.core import (
+    AdaptiveKLController,
+    FixedKLController,
+    approx_kl,
+    compute_gae,
+    entropy_from_logits,
+    explained_variance,
+    kl_penalized_rewards,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    ppo_policy_loss,
+    ppo_value_loss,
+)
+
+BIG = 1e6
+
+
+def t(*rows: list[float]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def scalar(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float64)
+
+
+# --------------------------------------------------------------------------- masked statistics
+
+X = t([1.0, 2.0, 3.0, BIG], [4.0, BIG, BIG, BIG], [BIG, BIG, BIG, BIG])
+M = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+
+
+def test_masked_mean_ignores_huge_masked_values() -> None:
+    # valid elements: 1, 2, 3, 4 -> mean 10 / 4 = 2.5
+    assert_close(masked_mean(X, M), scalar(2.5))
+    # per row: [1,2,3] -> 2; [4] -> 4; all-masked row -> 0 (not NaN)
+    assert_close(masked_mean(X, M, dim=1), t([2.0, 4.0, 0.0])[0])
+
+
+def test_masked_mean_accepts_01_mask_and_all_masked_is_zero() -> None:
+    assert_close(masked_mean(X, M.long()), scalar(2.5))
+    assert_close(masked_mean(X, M.float()), scalar(2.5))
+    out = masked_mean(X, torch.zeros_like(M))
+    assert not torch.isnan(out)
+    assert_close(out, scalar(0.0))
+
+
+def test_masked_var_unbiased_and_biased() -> None:
+    # deviations from 2.5: -1.5, -0.5, 0.5, 1.5 -> squares sum 2.25+0.25+0.25+2.25 = 5
+    assert_close(masked_var(X, M), scalar(5.0 / 3.0))  # / (n - 1) = 3
+    assert_close(masked_var(X, M, unbiased=False), scalar(5.0 / 4.0))  # / n = 4
+
+
+def test_masked_whiten_hand_example() -> None:
+    # (x - 2.5) * rsqrt(5/3 + 1e-8) at valid positions, 0 elsewhere
+    s = 1.0 / math.sqrt(5.0 / 3.0 + 1e-8)
+    expected = t(
+        [-1.5 * s, -0.5 * s, 0.5 * s, 0.0],
+        [1.5 * s, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0],
+    )
+    out = masked_whiten(X, M)
+    assert_close(out, expected)
+    # whitened valid elements: mean 0, unbiased variance 1 (up to the 1e-8 eps)
+    assert_close(masked_mean(out, M), scalar(0.0))
+    assert_close(masked_var(out, M), scalar(1.0))
+
+
+def test_masked_whiten_keep_mean() -> None:
+    # shift_mean=False: (x - 2.5) * s + 2.5; masked positions still 0
+    s = 1.0 / math.sqrt(5.0 / 3.0 + 1e-8)
+    out = masked_whiten(X, M, shift_mean=False)
+    expected = t(
+        [-1.5 * s + 2.5, -0.5 * s + 2.5, 0.5 * s + 2.5, 0.0],
+        [1.5 * s + 2.5, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0],
+    )
+    assert_close(out, expected)
+    assert_close(masked_mean(out, M), scalar(2.5))
+    assert_close(masked_var(out, M), scalar(1.0))
+
+
+# --------------------------------------------------------------------------- GAE
+
+
+def gae_reference(
+    values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loop-free GAE for right-padded (prefix) masks.
+
+    A_i = sum_{j >= i} (gamma * lam)^(j - i) * delta_j, with deltas zeroed past the end.
+    """
+    m = mask.to(values.dtype)
+    v = values * m
+    r = rewards * m
+    zero = torch.zeros_like(v[:, :1])
+    v_next = torch.cat([v[:, 1:], zero], dim=1)
+    m_next = torch.cat([m[:, 1:], zero], dim=1)
+    deltas = (r + gamma * v_next * m_next - v) * m
+    n = values.shape[1]
+    i = torch.arange(n).unsqueeze(1)
+    j = torch.arange(n).unsqueeze(0)
+    exponent = (j - i).clamp(min=0).to(values.dtype)
+    discount = torch.where(j >= i, (gamma * lam) ** exponent, torch.zeros_like(exponent))
+    adv = (deltas @ discount.T) * m
+    return adv, (adv + v) * m
+
+
+def prefix_mask(lengths: list[int], n: int) -> torch.Tensor:
+    return torch.arange(n).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+
+
+@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 0.95), (0.99, 0.9), (0.5, 1.0), (1.0, 0.0)])
+def test_compute_gae_matches_loop_free_reference(gamma: float, lam: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    n = 9
+    lengths = [9, 5, 1, 0, 3, 7]
+    mask = prefix_mask(lengths, n)
+    values = torch.randn(len(lengths), n, generator=g, dtype=torch.float64)
+    rewards = torch.randn(len(lengths), n, generator=g, dtype=torch.float64)
+    adv, ret = compute_gae(values, rewards, mask, gamma, lam)
+    ref_adv, ref_ret = gae_reference(values, rewards, mask, gamma, lam)
+    assert_close(adv, ref_adv)
+    assert_close(ret, ref_ret)
+
+
+def test_compute_gae_hand_example() -> None:
+    # gamma = 1, lam = 0.95; V = [0.5, 1.0, 1.5], r = [0.1, -0.2, 1.0], 4th token is padding
+    # delta_2 = 1.0 - 1.5 = -0.5                (m_3 = 0, so V_3 = 100 is ignored)
+    # delta_1 = -0.2 + 1.5 - 1.0 = 0.3
+    # delta_0 = 0.1 + 1.0 - 0.5 = 0.6
+    # A_2 = -0.5
+    # A_1 = 0.3 + 0.95 * -0.5 = -0.175
+    # A_0 = 0.6 + 0.95 * -0.175 = 0.43375
+    # returns = A + V = [0.93375, 0.825, 1.0, 0]
+    values = t([0.5, 1.0, 1.5, 100.0])
+    rewards = t([0.1, -0.2, 1.0, 100.0])
+    mask = torch.tensor([[True, True, True, False]])
+    adv, ret = compute_gae(values, rewards, mask, gamma=1.0, lam=0.95)
+    assert_close(adv, t([0.43375, -0.175, -0.5, 0.0]))
+    assert_close(ret, t([0.93375, 0.825, 1.0, 0.0]))
+
+
+def test_compute_gae_length_one_response() -> None:
+    # a single token: A = r - V = 2.0 - 0.5 = 1.5; returns = A + V = r = 2.0
+    adv, ret = compute_gae(t([0.5]), t([2.0]), torch.tensor([[1]]), gamma=0.99, lam=0.95)
+    assert_close(adv, t([1.5]))
+    assert_close(ret, t([2.0]))
+    # same length-1 response padded to 3 tokens
+    adv, ret = compute_gae(
+        t([0.5, 7.0, 7.0]), t([2.0, 7.0, 7.0]), torch.tensor([[1, 0, 0]]), gamma=0.99, lam=0.95
+    )
+    assert_close(adv, t([1.5, 0.0, 0.0]))
+    assert_close(ret, t([2.0, 0.0, 0.0]))
+
+
+def test_compute_gae_all_masked_row_is_zero() -> None:
+    values = t([1.0, 2.0, 3.0], [BIG, BIG, BIG])
+    rewards = t([1.0, 1.0, 1.0], [BIG, BIG, BIG])
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0]])
+    adv, ret = compute_gae(values, rewards, mask, gamma=1.0, lam=0.95)
+    assert not torch.isnan(adv).any() and not torch.isnan(ret).any()
+    assert_close(adv[1], torch.zeros(3, dtype=torch.float64))
+    assert_close(ret[1], torch.zeros(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("layout", ["prefix", "random"])
+def test_compute_gae_no_leakage_from_masked_positions(layout: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    b, n = 5, 8
+    if layout == "prefix":
+        mask = prefix_mask([8, 4, 1, 0, 6], n)
+    else:
+        mask = torch.rand(b, n, generator=g) > 0.4
+    values = torch.randn(b, n, generator=g, dtype=torch.float64)
+    rewards = torch.randn(b, n, generator=g, dtype=torch.float64)
+    adv, ret = compute_gae(values, rewards, mask, gamma=0.99, lam=0.95)
+    garbage = torch.full_like(values, BIG)
+    adv2, ret2 = compute_gae(
+        torch.where(mask, values, garbage), torch.where(mask, rewards, -garbage), mask, 0.99, 0.95
+    )
+    assert_close(adv2, adv)
+    assert_close(ret2, ret)
+    assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
+
+
+# --------------------------------------------------------------------------- KL-penalized rewards
+
+
+def test_kl_penalized_rewards_score_on_last_valid_token() -> None:
+    # row 0: kl = logp - ref = [0.5, -1.0, 0.0, (masked) 0]
+    #        rewards = -0.1 * kl = [-0.05, 0.1, 0.0, 0], + score 2.0 at index 2 (not 3)
+    # row 1 (mask with a hole, [1, 0, 1, 0]): kl = [0.2, 0, -0.3, 0]
+    #        rewards = [-0.02, 0, 0.03, 0], + score -1.0 at index 2 (max True index)
+    logprobs = t([-1.0, -2.0, -0.5, -3.0], [-1.0, -5.0, -1.3, -4.0])
+    ref = t([-1.5, -1.0, -0.5, -9.0], [-1.2, -1.0, -1.0, -1.0])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 0]])
+    scores = t([2.0, -1.0])[0]
+    rewards, kl = kl_penalized_rewards(scores, logprobs, ref, mask, kl_coef=0.1)
+    assert_close(kl, t([0.5, -1.0, 0.0, 0.0], [0.2, 0.0, -0.3, 0.0]))
+    assert_close(rewards, t([-0.05, 0.1, 2.0, 0.0], [-0.02, 0.0, 0.03 - 1.0, 0.0]))
+
+
+def test_kl_penalized_rewards_kl_coef_scaling() -> None:
+    # kl = [0.5, -1.0]; coef 0 -> rewards = [0, 3.0]; coef 0.4 -> [-0.2, 0.4 + 3.0]
+    logprobs = t([-1.0, -2.0])
+    ref = t([-1.5, -1.0])
+    mask = torch.tensor([[True, True]])
+    scores = t([3.0])[0]
+    r0, kl0 = kl_penalized_rewards(scores, logprobs, ref, mask, kl_coef=0.0)
+    r4, kl4 = kl_penalized_rewards(scores, logprobs, ref, mask, kl_coef=0.4)
+    assert_close(r0, t([0.0, 3.0]))
+    assert_close(r4, t([-0.2, 3.4]))
+    assert_close(kl0, kl4)
+    assert_close(kl4, t([0.5, -1.0]))
+
+
+def test_kl_penalized_rewards_all_masked_row_gets_nothing() -> None:
+    logprobs = t([-1.0, -2.0], [-1.0, -2.0])
+    ref = t([-1.5, -1.0], [-9.0, -9.0])
+    mask = torch.tensor([[1, 1], [0, 0]])
+    rewards, kl = kl_penalized_rewards(t([1.0, 5.0])[0], logprobs, ref, mask, kl_coef=0.1)
+    # row 0: kl [0.5, -1.0] -> rewards [-0.05, 0.1 + 1.0]; row 1: all zeros, no score 5.0
+    assert_close(rewards, t([-0.05, 1.1], [0.0, 0.0]))
+    assert_close(kl, t([0.5, -1.0], [0.0, 0.0]))
+
+
+# --------------------------------------------------------------------------- policy loss
+
+
+def _policy_case(
+    ratio: float, adv: float, cliprange: float = 0.2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logprobs = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 1, dtype=torch.float64)
+    loss, clipfrac = ppo_policy_loss(logprobs, old, t([adv]), torch.tensor([[1]]), cliprange)
+    loss.backward()
+    return loss, clipfrac, logprobs.grad
+
+
+def test_policy_loss_clipped_positive_advantage_has_zero_grad() -> None:
+    # r = 3, A = 2, eps = 0.2: unclipped -A*r = -6, clipped -A*1.2 = -2.4
+    # loss = max(-6, -2.4) = -2.4 (objective 2.4); clipped branch is constant -> grad 0
+    loss, clipfrac, grad = _policy_case(3.0, 2.0)
+    assert_close(loss, scalar(-2.4))
+    assert torch.equal(grad, torch.zeros_like(grad))
+    assert_close(clipfrac, scalar(1.0))
+
+
+def test_policy_loss_unclipped_case() -> None:
+    # r = 1.1 inside [0.8, 1.2], A = 2: loss = -2 * 1.1 = -2.2
+    # d/dlogp (-A * exp(logp - old)) = -A * r = -2.2; both terms equal -> clipfrac 0
+    loss, clipfrac, grad = _policy_case(1.1, 2.0)
+    assert_close(loss, scalar(-2.2))
+    assert_close(grad, t([-2.2]))
+    assert_close(clipfrac, scalar(0.0))
+
+
+def test_policy_loss_clipped_negative_advantage() -> None:
+    # r = 0.5, A = -1: unclipped -A*r = 0.5, clipped -A*0.8 = 0.8 -> loss max = 0.8, grad 0
+    loss, clipfrac, grad = _policy_case(0.5, -1.0)
+    assert_close(loss, scalar(0.8))
+    assert torch.equal(grad, torch.zeros_like(grad))
+    assert_close(clipfrac, scalar(1.0))
+
+
+def test_policy_loss_masked_tokens_do_not_contribute() -> None:
+    # token 0: r = 1.1, A = 2 -> -2.2 (unclipped); token 1 masked with huge advantage
+    # loss = -2.2 (mean over the one valid token); grad [-2.2, 0]; clipfrac 0
+    logprobs = torch.tensor([[math.log(1.1), 3.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    adv = t([2.0, BIG])
+    loss, clipfrac = ppo_policy_loss(logprobs, old, adv, torch.tensor([[True, False]]), 0.2)
+    loss.backward()
+    assert_close(loss, scalar(-2.2))
+    assert_close(logprobs.grad, t([-2.2, 0.0]))
+    assert_close(clipfrac, scalar(0.0))
+
+
+def test_policy_loss_clipfrac_is_share_of_tokens() -> None:
+    # tokens (r, A): (3, 2) clipped; (1.1, 2) not; (0.5, -1) clipped; 4th masked -> 2/3
+    # loss = mean(-2.4, -2.2, 0.8) = -3.8 / 3
+    logprobs = torch.log(t([3.0, 1.1, 0.5, 9.0]))
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    adv = t([2.0, 2.0, -1.0, 5.0])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, clipfrac = ppo_policy_loss(logprobs, old, adv, mask, 0.2)
+    assert_close(loss, scalar(-3.8 / 3.0))
+    assert_close(clipfrac, scalar(2.0 / 3.0))
+
+
+# --------------------------------------------------------------------------- value loss
+
+
+def test_value_loss_takes_max_of_clipped_and_unclipped() -> None:
+    # c = 0.2, V = 2.0, V_old = 1.0 -> V_clipped = 1.2
+    # token 0, R = 0: (2-0)^2 = 4 vs (1.2-0)^2 = 1.44 -> unclipped 4 is the max
+    # token 1, R = 3: (2-3)^2 = 1 vs (1.2-3)^2 = 3.24 -> clipped 3.24 is the max
+    # token 2 masked
+    values = t([2.0, 2.0, BIG])
+    old_values = t([1.0, 1.0, 0.0])
+    returns = t([0.0, 3.0, 0.0])
+    c = 0.2
+
+    def loss(mask: list[int]) -> torch.Tensor:
+        return ppo_value_loss(values, old_values, returns, torch.tensor([mask]), c)
+
+    assert_close(loss([1, 0, 0]), scalar(2.0))  # unclipped only: 0.5 * 4 = 2.0
+    assert_close(loss([0, 1, 0]), scalar(1.62))  # clipped only: 0.5 * 3.24 = 1.62
+    assert_close(loss([1, 1, 0]), scalar(1.81))  # both: 0.5 * (4 + 3.24) / 2 = 1.81
+
+
+def test_value_loss_within_clip_range_is_plain_mse() -> None:
+    # V = 1.1, V_old = 1.0, c = 0.2 -> not clipped; R = 2: 0.5 * 0.9^2 = 0.405
+    loss = ppo_value_loss(t([1.1]), t([1.0]), t([2.0]), torch.tensor([[1]]), 0.2)
+    assert_close(loss, scalar(0.405))
+
+
+# --------------------------------------------------------------------------- logits and diagnostics
+
+
+def test_entropy_of_uniform_logits_is_log_vocab() -> None:
+    logits = torch.zeros(2, 3, 7, dtype=torch.float64)
+    assert_close(entropy_from_logits(logits), torch.full((2, 3), math.log(7), dtype=torch.float64))
+
+
+def test_entropy_matches_manual() -> None:
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    p = torch.softmax(logits, dim=-1)
+    assert_close(entropy_from_logits(logits), -(p * torch.log(p)).sum(-1))
+
+
+def test_logprobs_from_logits_matches_manual() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 4, 6, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 6, (2, 4), generator=g)
+    out = logprobs_from_logits(logits, labels)
+    assert out.shape == (2, 4)
+    p = torch.softmax(logits, dim=-1)
+    for i in range(2):
+        for k in range(4):
+            assert_close(out[i, k], torch.log(p[i, k, labels[i, k]]))
+
+
+def test_explained_variance() -> None:
+    returns = t([1.0, 2.0, 3.0, BIG], [4.0, BIG, BIG, BIG])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    # perfect predictions: var(0) / var(R) = 0 -> 1
+    assert_close(explained_variance(returns, returns, mask), scalar(1.0))
+    # constant prediction = mean(R) = 2.5: var(R - 2.5) = var(R) -> 0
+    const = torch.full_like(returns, 2.5)
+    assert_close(explained_variance(const, returns, mask), scalar(0.0))
+    # var(R) == 0 -> documented 0.0, not NaN
+    flat = torch.full_like(returns, 3.0)
+    assert_close(explained_variance(torch.zeros_like(flat), flat, mask), scalar(0.0))
+
+
+def test_approx_kl_hand() -> None:
+    # diffs [0.2, -0.4], third masked: 0.5 * (0.04 + 0.16) / 2 = 0.05
+    out = approx_kl(t([-1.0, -2.4, 50.0]), t([-1.2, -2.0, 0.0]), torch.tensor([[1, 1, 0]]))
+    assert_close(out, scalar(0.05))
+
+
+# --------------------------------------------------------------------------- KL controllers
+
+
+def test_adaptive_kl_controller_sequence() -> None:
+    ctl = AdaptiveKLController(init_kl_coef=0.2, target=6.0, horizon=10000)
+    assert ctl.value == 0.2
+    # kl = 12: 12/6 - 1 = 1 -> clipped 0.2; mult = 1 + 0.2 * 32 / 10000 = 1.00064
+    ctl.update(12.0, 32)
+    assert_close(ctl.value, 0.2 * 1.00064)
+    assert_close(ctl.value, 0.200128)
+    # kl = 3: 3/6 - 1 = -0.5 -> clipped -0.2; mult = 1 - 0.00064 = 0.99936
+    ctl.update(3.0, 32)
+    assert_close(ctl.value, 0.200128 * 0.99936)
+    # kl = 6.6: error 0.1 (inside the clip); mult = 1 + 0.1 * 100 / 10000 = 1.001
+    before = ctl.value
+    ctl.update(6.6, 100)
+    assert_close(ctl.value, before * 1.001)
+
+
+def test_fixed_kl_controller_unchanged() -> None:
+    ctl = FixedKLController(0.05)
+    for kl in (0.0, 100.0, -3.0):
+        ctl.update(kl, 64)
+    assert ctl.value == 0.05
+
+
+def test_kl_controller_state_dict_round_trip() -> None:
+    ctl = AdaptiveKLController(0.2, 6.0, 10000)
+    ctl.update(12.0, 32)
+    fresh = AdaptiveKLController(1.0, 1.0, 1)
+    fresh.load_state_dict(ctl.state_dict())
+    assert fresh.value == ctl.value and fresh.state_dict() == ctl.state_dict()
+    ctl.update(3.0, 32)
+    fresh.update(3.0, 32)
+    assert fresh.value == ctl.value
+
+    fixed = FixedKLController(0.1)
+    other = FixedKLController(9.0)
+    other.load_state_dict(fixed.state_dict())
+    assert other.value == 0.1
