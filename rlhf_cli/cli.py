@@ -138,12 +138,15 @@ def _not_built(stage: str) -> None:
 
 
 @app.command()
+@_exit_on_errors
 def ppo(recipe: RecipeOpt = None, resume: Annotated[bool, typer.Option(
         "--resume", help="Continue from the newest checkpoint.")] = False,
         as_json: JsonOpt = False, quiet: QuietOpt = False,
         runs_dir: RunsOpt = Path("runs")) -> None:
     """Stage 4: PPO alignment against the frozen reward model, KL to the frozen reference."""
-    _not_built("ppo")
+    from rlhf_cli.stages.ppo import run_ppo
+
+    _stage(functools.partial(run_ppo, resume=resume), "ppo", recipe, as_json, quiet, runs_dir)
 
 
 @app.command()

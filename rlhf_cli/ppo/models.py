@@ -1,0 +1,103 @@
+"""The actor and critic as one module, and the frozen reference.
+
+`value_model: shared` puts a scalar head on the policy's last hidden state, so one forward pass
+gives log-probs and values. `separate` is its own backbone + head, initialised from the policy or
+from the reward model (when it shares the policy's tokenizer: an RM-initialised critic starts with
+a far lower value loss). Value heads start at zero, so the first values are 0 rather than noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def position_ids_from(attention_mask: Tensor) -> Tensor:
+    """Positions counted over real tokens only: left-padded rows start at 0 on their first token,
+    exactly as `generate()` numbers them, so every forward pass sees generation's positions."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def zero_value_head(hidden_size: int) -> nn.Linear:
+    head = nn.Linear(hidden_size, 1)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+class ValueModel(nn.Module):
+    """A separate critic: a transformer backbone and a per-token scalar head."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Linear):
+        super().__init__()
+        self.backbone, self.head = backbone, head
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids).last_hidden_state
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
+
+
+class PolicyAndValue(nn.Module):
+    """Actor + critic. `forward` returns (logits (b, t, vocab), values (b, t))."""
+
+    def __init__(self, policy: nn.Module, value_head: nn.Linear | None = None,
+                 critic: ValueModel | None = None):
+        super().__init__()
+        if (value_head is None) == (critic is None):
+            raise ValueError("give exactly one of value_head (shared) or critic (separate)")
+        self.policy, self.value_head, self.critic = policy, value_head, critic
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+        position_ids = position_ids_from(attention_mask)
+        shared = self.critic is None
+        out = self.policy(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids, output_hidden_states=shared, use_cache=False)
+        if shared:
+            hidden = out.hidden_states[-1]
+            values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        else:
+            values = self.critic(input_ids, attention_mask, position_ids)
+        return out.logits, values
+
+    def value_state_dict(self) -> dict[str, Tensor]:
+        module = self.value_head if self.critic is None else self.critic
+        return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+
+    def load_value_state_dict(self, state: dict[str, Tensor]) -> None:
+        (self.value_head if self.critic is None else self.critic).load_state_dict(state)
+
+
+class Reference:
+    """The frozen reference policy: the policy with its LoRA adapter disabled (no second copy of
+    the weights), or a separate frozen model when the policy has no adapter."""
+
+    def __init__(self, policy: nn.Module, frozen_copy: nn.Module | None = None):
+        self.policy, self.frozen_copy = policy, frozen_copy
+
+    @contextlib.contextmanager
+    def model(self) -> Iterator[nn.Module]:
+        if self.frozen_copy is not None:
+            yield self.frozen_copy
+            return
+        with self.policy.disable_adapter():
+            yield self.policy
+
+    @torch.inference_mode()
+    def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        with self.model() as ref:
+            return ref(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids_from(attention_mask), use_cache=False).logits
+
+
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def hidden_size_of(model: Any) -> int:
+    config = model.config
+    return int(getattr(config, "hidden_size", None) or config.get_text_config().hidden_size)

@@ -1,0 +1,327 @@
+"""The PPO iteration loop: rollout, KL-shaped rewards and GAE, K epochs of mini-batch updates,
+the adaptive β, logging, health checks and checkpoints.
+
+Reads top to bottom like CleanRL's ppo.py; the maths lives in core.py.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from rlhf_cli.ppo import core
+from rlhf_cli.ppo.checkpoint import save_checkpoint
+from rlhf_cli.ppo.health import HealthMonitor
+from rlhf_cli.ppo.models import PolicyAndValue, Reference
+from rlhf_cli.ppo.rollout import Rollout, collect_rollout, response_logprobs, score_temperature
+from rlhf_cli.recipe import PpoSection
+from rlhf_cli.scoring import RewardScorer
+from rlhf_cli.tracking import MetricsWriter, make_progress
+
+
+class NonFiniteError(Exception):
+    """Too many non-finite updates in a row."""
+
+
+@dataclass
+class PPOContext:
+    """Everything the loop touches; built by stages/ppo.py."""
+
+    cfg: PpoSection
+    accelerator: Any
+    actor: Any  # PolicyAndValue, possibly wrapped by DDP
+    reference: Reference
+    scorer: RewardScorer
+    tokenizer: Any
+    prompts: list[str]
+    queries: list[list[int]]
+    stop_ids: list[int]
+    optimizer: Any
+    scheduler: Any
+    kl_ctl: Any
+    sampler: torch.Generator
+    stage_dir: Path
+    writer: MetricsWriter
+    samples: MetricsWriter
+    console: Console
+    health: HealthMonitor = field(default_factory=HealthMonitor)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    on_warning: Callable[[str], None] = print
+    max_nonfinite: int = 3
+
+    @property
+    def unwrapped(self) -> PolicyAndValue:
+        return self.accelerator.unwrap_model(self.actor)
+
+
+# ── one iteration ───────────────────────────────────────────────────────────────────────────────
+
+
+def sample_batch(ctx: PPOContext) -> list[int]:
+    """This process's share of `batch_size` prompt indices (same draw on every process)."""
+    acc = ctx.accelerator
+    n = ctx.cfg.batch_size
+    draws = []
+    while len(draws) < n:  # epochs over the prompt pool when it is smaller than a batch
+        draws.extend(torch.randperm(len(ctx.prompts), generator=ctx.sampler).tolist())
+    return draws[:n][acc.process_index::acc.num_processes]
+
+
+def advantages_of(rollout: Rollout, kl_coef: float,
+                  cfg: PpoSection) -> tuple[torch.Tensor, ...]:
+    """KL-shaped per-token rewards → GAE → whitened advantages (Huang et al. details 5-7)."""
+    mask = rollout.response_mask
+    rewards, kl = core.kl_penalized_rewards(rollout.scores, rollout.logprobs,
+                                            rollout.ref_logprobs, mask, kl_coef)
+    if cfg.whiten_rewards:
+        rewards = core.masked_whiten(rewards, mask, shift_mean=False)
+    advantages, returns = core.compute_gae(rollout.values, rewards, mask, cfg.gamma, cfg.lam)
+    return rewards, kl, core.masked_whiten(advantages, mask), returns
+
+
+def ppo_update(ctx: PPOContext, rollout: Rollout, advantages: torch.Tensor,
+               returns: torch.Tensor) -> dict[str, float]:
+    """`ppo_epochs` passes over shuffled mini-batches; an optimizer step every
+    `gradient_accumulation_steps` mini-batches; non-finite losses skip their mini-batch."""
+    cfg, acc, actor = ctx.cfg, ctx.accelerator, ctx.actor
+    actor.train()  # dropout is 0 everywhere (set at load): train() only matters for norm layers
+    stats: dict[str, list[float]] = defaultdict(list)
+    width, temperature = rollout.query_ids.shape[1], score_temperature(cfg.generation)
+    b = rollout.response_ids.shape[0]
+    local_mb = max(1, cfg.mini_batch_size // acc.num_processes)
+    params = [p for p in actor.parameters() if p.requires_grad]
+    skipped = micro = 0
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(b)
+        for start in range(0, b, local_mb):
+            idx = order[start:start + local_mb]
+            batch = rollout.select(idx)
+            mask = batch["response_mask"]
+            last_micro = (micro + 1) % cfg.gradient_accumulation_steps == 0
+            with nullcontext() if last_micro else acc.no_sync(actor):
+                logits, values = actor(batch["input_ids"], batch["attention_mask"])
+                logprobs, step_logits = response_logprobs(logits, batch["response_ids"], width,
+                                                          temperature)
+                vpred = values[:, width - 1: width - 1 + mask.shape[1]].float()
+                pg_loss, clipfrac = core.ppo_policy_loss(logprobs, rollout.logprobs[idx],
+                                                         advantages[idx], mask, cfg.cliprange)
+                vf_loss = core.ppo_value_loss(vpred, rollout.values[idx], returns[idx], mask,
+                                              cfg.cliprange_value)
+                entropy = core.masked_mean(core.entropy_from_logits(step_logits), mask)
+                loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy
+                finite = acc.reduce(torch.isfinite(loss).float().detach(), "min")
+                if finite.item() < 1:  # every process agrees, or DDP would hang
+                    skipped += 1
+                    continue
+                acc.backward(loss / cfg.gradient_accumulation_steps)
+            micro += 1
+            if last_micro:
+                stats["grad_norm"].append(float(acc.clip_grad_norm_(params, cfg.max_grad_norm)))
+                ctx.optimizer.step()
+                ctx.scheduler.step()
+                ctx.optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                stats["ppo/loss/policy"].append(pg_loss.item())
+                stats["ppo/loss/value"].append(vf_loss.item())
+                stats["ppo/loss/total"].append(loss.item())
+                stats["objective/clipfrac"].append(clipfrac.item())
+                stats["ppo/policy/entropy"].append(entropy.item())
+                stats["ppo/policy/approxkl"].append(
+                    core.approx_kl(logprobs, rollout.logprobs[idx], mask).item())
+                stats["ppo/val/clipfrac"].append(core.masked_mean(
+                    ((vpred - rollout.values[idx]).abs() > cfg.cliprange_value).float(),
+                    mask).item())
+    ctx.optimizer.zero_grad(set_to_none=True)  # a trailing partial accumulation is dropped
+    out = {k: sum(v) / len(v) for k, v in stats.items() if v}
+    out["ppo/skipped_minibatches"] = float(skipped)
+    return out
+
+
+def _gather_mean_std(acc: Any, x: torch.Tensor) -> tuple[float, float]:
+    allx = acc.gather(x.float().contiguous())
+    return float(allx.mean()), float(allx.std()) if allx.numel() > 1 else 0.0
+
+
+def iteration_metrics(ctx: PPOContext, rollout: Rollout, kl: torch.Tensor,
+                      rewards: torch.Tensor, returns: torch.Tensor, kl_coef: float,
+                      stats: dict[str, float]) -> dict[str, float]:
+    acc, mask = ctx.accelerator, rollout.response_mask
+    lengths = mask.sum(1).float()
+    reward_mean, reward_std = _gather_mean_std(acc, rollout.scores)
+    metrics = {
+        "env/reward_mean": reward_mean,
+        "env/reward_std": reward_std,
+        "env/raw_score_mean": _gather_mean_std(acc, rollout.raw_scores)[0],
+        "objective/kl": _gather_mean_std(acc, kl.sum(1))[0],
+        "objective/kl_coef": kl_coef,
+        "objective/entropy": 0.0,
+        "ppo/mean_non_score_reward": _gather_mean_std(
+            acc, (rewards.sum(1) - rollout.scores).detach())[0],
+        "ppo/val/explained_variance": float(core.explained_variance(rollout.values, returns,
+                                                                    mask)),
+        "ppo/val/mean": float(core.masked_mean(rollout.values, mask)),
+        "ppo/returns/mean": float(core.masked_mean(returns, mask)),
+        "response/length_mean": _gather_mean_std(acc, lengths)[0],
+        "response/ended_frac": _gather_mean_std(acc, rollout.ended.float())[0],
+        "reward/truncated_inputs": float(rollout.n_truncated),
+    }
+    for key, value in stats.items():
+        metrics[key] = float(acc.reduce(torch.tensor(value, device=acc.device), "mean"))
+    metrics["objective/entropy"] = metrics.pop("ppo/policy/entropy", 0.0)
+    return metrics
+
+
+# ── signals: Ctrl-C and SIGTERM finish the iteration, checkpoint, then stop ────────────────────
+
+
+@contextmanager
+def graceful_stop(console: Console) -> Iterator[dict[str, bool]]:
+    flag = {"stop": False}
+
+    def handler(signum: int, frame: Any) -> None:
+        if flag["stop"]:
+            raise KeyboardInterrupt
+        flag["stop"] = True
+        console.print("\n[yellow]stopping[/]: finishing this iteration and writing a checkpoint "
+                      "(press Ctrl-C again to stop at once)")
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+# ── the loop ────────────────────────────────────────────────────────────────────────────────────
+
+
+def checkpoint(ctx: PPOContext, iteration: int) -> Path | None:
+    """Save on the main process; every process waits for it."""
+    path = None
+    if ctx.accelerator.is_main_process:
+        actor = ctx.unwrapped
+        path = save_checkpoint(ctx.stage_dir / "checkpoints", iteration, policy=actor.policy,
+                               value_state=actor.value_state_dict(), optimizer=ctx.optimizer,
+                               scheduler=ctx.scheduler, kl_ctl=ctx.kl_ctl, sampler=ctx.sampler,
+                               extra={"health_seen": sorted(ctx.health.seen)})
+    ctx.accelerator.wait_for_everyone()
+    return path
+
+
+def log_block(ctx: PPOContext, iteration: int, m: dict[str, float], rollout: Rollout) -> None:
+    """The guide's every-N-iterations health block, with a sample prompt and response."""
+    ok = "[green]ok[/]"
+    warn = "[yellow]check[/]"
+    c = ctx.console
+    c.print(f"\n--- Iteration {iteration:4d} ---")
+    c.print(f"  Avg Reward:    {m['env/reward_mean']:+.4f}")
+    c.print(f"  KL Divergence: {m['objective/kl']:.4f} {ok if m['objective/kl'] < 10 else warn}")
+    c.print(f"  KL Coef (β):   {m['objective/kl_coef']:.4f}")
+    c.print(f"  Policy Loss:   {m.get('ppo/loss/policy', float('nan')):.4f}")
+    c.print(f"  Value Loss:    {m.get('ppo/loss/value', float('nan')):.4f}")
+    c.print(f"  Entropy:       {m['objective/entropy']:.4f}")
+    clip = m.get("objective/clipfrac", 0.0)
+    c.print(f"  Clip Fraction: {clip:.4f} {ok if 0.1 < clip < 0.4 else warn}")
+    c.print(f"  Sample prompt:   {rollout.prompts[0][:60]}", markup=False)
+    c.print(f"  Sample response: {rollout.responses[0][:120]}", markup=False)
+
+
+def train(ctx: PPOContext, start_iteration: int = 0) -> dict[str, Any]:
+    """Run iterations `start_iteration+1 .. cfg.iterations`; return a summary."""
+    cfg, acc = ctx.cfg, ctx.accelerator
+    is_main = acc.is_main_process
+    progress = make_progress(ctx.console)
+    nonfinite_streak = 0
+    with graceful_stop(ctx.console) as stop, progress:
+        task = progress.add_task("ppo", total=cfg.iterations, completed=start_iteration, info="")
+        for iteration in range(start_iteration + 1, cfg.iterations + 1):
+            t0 = time.perf_counter()
+            # 1. Rollout: sample prompts, generate, score, old log-probs, values, reference.
+            index = sample_batch(ctx)
+            rollout = collect_rollout(
+                ctx.unwrapped, ctx.reference, ctx.scorer, ctx.tokenizer,
+                [ctx.prompts[i] for i in index], [ctx.queries[i] for i in index],
+                cfg.generation, ctx.stop_ids, cfg.missing_eos_penalty, cfg.reward_clip,
+                mini_batch_size=max(1, cfg.mini_batch_size))
+            # 2. Advantages from KL-shaped rewards (β as it stands at this iteration).
+            kl_coef = ctx.kl_ctl.value
+            rewards, kl, advantages, returns = advantages_of(rollout, kl_coef, cfg)
+            # 3. Update: K epochs over shuffled mini-batches.
+            t_update = time.perf_counter()
+            stats = ppo_update(ctx, rollout, advantages, returns)
+            update_s = time.perf_counter() - t_update
+            # 4. β moves once per iteration, toward the target KL.
+            metrics = iteration_metrics(ctx, rollout, kl, rewards, returns, kl_coef, stats)
+            ctx.kl_ctl.update(metrics["objective/kl"], cfg.batch_size)
+            nonfinite_streak = nonfinite_streak + 1 if not _finite(metrics) else 0
+            # 5. Log, check health, checkpoint.
+            iteration_s = time.perf_counter() - t0
+            n_tokens = float(acc.reduce(rollout.response_mask.sum().float(), "sum"))
+            metrics.update({**rollout.timings, "time/update_s": update_s,
+                            "time/iteration_s": iteration_s,
+                            "tokens/generated_per_s": n_tokens / rollout.timings[
+                                "time/rollout_s"], "iteration": iteration})
+            ctx.history.append(metrics)
+            if is_main:
+                ctx.writer.log(metrics, step=iteration)
+                for message in ctx.health.check(metrics, iteration, ctx.history):
+                    ctx.console.print(f"[yellow]health[/]: {message}", markup=True)
+                    ctx.on_warning(message)
+                if iteration % cfg.log_every == 0 or iteration == 1:
+                    log_block(ctx, iteration, metrics, rollout)
+                    _write_samples(ctx, iteration, rollout, kl)
+            progress.update(task, completed=iteration, info=(
+                f"reward {metrics['env/reward_mean']:+.3f}  kl {metrics['objective/kl']:.3f}  "
+                f"β {kl_coef:.4f}"))
+            if nonfinite_streak >= ctx.max_nonfinite:
+                checkpoint(ctx, iteration)
+                raise NonFiniteError(
+                    f"{nonfinite_streak} iterations in a row had non-finite rewards or losses; "
+                    "a checkpoint of the last state was written. The guide's fixes: reduce "
+                    "ppo.learning_rate, raise ppo.init_kl_coef, check the reward model's scores")
+            stop_now = bool(acc.reduce(torch.tensor(float(stop["stop"]), device=acc.device),
+                                       "max").item())
+            if iteration % cfg.save_freq == 0 or iteration == cfg.iterations or stop_now:
+                checkpoint(ctx, iteration)
+            if stop_now:
+                raise KeyboardInterrupt
+    return summarize(ctx.history)
+
+
+def _finite(metrics: dict[str, float]) -> bool:
+    keys = ("env/reward_mean", "objective/kl", "ppo/loss/total")
+    return all(torch.isfinite(torch.tensor(metrics.get(k, 0.0))) for k in keys)
+
+
+def _write_samples(ctx: PPOContext, iteration: int, rollout: Rollout, kl: torch.Tensor) -> None:
+    """The guide: read 10 actual generated responses every so often."""
+    for i in range(min(10, len(rollout.prompts))):
+        ctx.samples.log({"prompt": rollout.prompts[i], "response": rollout.responses[i],
+                         "score": float(rollout.scores[i]), "kl": float(kl[i].sum())},
+                        step=iteration)
+
+
+def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """First-fifth vs last-fifth mean reward, and the final KL and β."""
+    if not history:
+        return {}
+    fifth = max(1, len(history) // 5)
+    first = [h["env/reward_mean"] for h in history[:fifth]]
+    last = [h["env/reward_mean"] for h in history[-fifth:]]
+    return {"iterations": history[-1]["iteration"],
+            "reward_first_fifth": sum(first) / len(first),
+            "reward_last_fifth": sum(last) / len(last),
+            "kl_final": history[-1]["objective/kl"],
+            "kl_coef_final": history[-1]["objective/kl_coef"],
+            "iteration_s_median": sorted(h["time/iteration_s"] for h in history)[
+                len(history) // 2]}
