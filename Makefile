@@ -32,6 +32,7 @@ demo: $(STAMP)
 	$(RLHF) validate --recipe $(RECIPE) > /dev/null
 	$(RLHF) sft --recipe $(RECIPE)
 	$(RLHF) train-rm
+	$(RLHF) ppo
 	@echo "demo done: artifacts under runs/$$($(PY) -c 'import yaml,sys; print(yaml.safe_load(open("$(RECIPE)"))["run"]["name"])')/"
 
 test: $(STAMP)

@@ -1,0 +1,214 @@
+"""PPO end to end on the tiny recipe: it learns, frozen models stay frozen, Ctrl-C checkpoints,
+--resume reproduces the uninterrupted run, and two processes log one line per iteration."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+from torch.testing import assert_close
+
+from rlhf_cli.errors import StageError
+from rlhf_cli.recipe import Recipe, load_recipe
+from rlhf_cli.rundir import RunDir
+from rlhf_cli.tracking import MetricsWriter, read_metrics
+
+pytestmark = pytest.mark.slow
+QUIET = Console(stderr=True, quiet=True)
+PPO_SMALL = {"iterations": 8, "batch_size": 16, "mini_batch_size": 8, "ppo_epochs": 2,
+             "save_freq": 4, "log_every": 4, "generation": {"max_new_tokens": 16}}
+REQUIRED_KEYS = ["env/reward_mean", "env/reward_std", "objective/kl", "objective/kl_coef",
+                 "objective/entropy", "objective/clipfrac", "ppo/loss/policy", "ppo/loss/value",
+                 "ppo/loss/total", "ppo/policy/approxkl", "ppo/val/explained_variance",
+                 "response/length_mean", "time/rollout_s", "time/score_s", "time/update_s",
+                 "time/iteration_s", "tokens/generated_per_s"]
+
+
+@pytest.fixture(scope="module")
+def pipeline(small_recipe: Callable[..., Path], tmp_path_factory) -> Path:
+    """sft + train-rm once for the module; tests copy the folder and run PPO on their copy."""
+    from rlhf_cli.stages.reward import run_train_rm
+    from rlhf_cli.stages.sft import run_sft
+
+    folder = tmp_path_factory.mktemp("ppo_pipeline")
+    recipe = load_recipe(small_recipe(folder, {"sft": {"epochs": 6}}))
+    run_sft(recipe, QUIET)
+    run_train_rm(recipe, QUIET)
+    return folder
+
+
+def ppo_recipe(pipeline: Path, tmp_path: Path, small_recipe: Callable[..., Path],
+               ppo: dict[str, Any]) -> Recipe:
+    shutil.copytree(pipeline / "runs", tmp_path / "runs")
+    return load_recipe(small_recipe(tmp_path, {"sft": {"epochs": 6}, "ppo": ppo}))
+
+
+def test_ppo_learns_and_writes_the_contract(pipeline, tmp_path, small_recipe):
+    from rlhf_cli.stages.ppo import run_ppo
+
+    recipe = ppo_recipe(pipeline, tmp_path, small_recipe,
+                        {"iterations": 25, "batch_size": 32, "mini_batch_size": 8,
+                         "ppo_epochs": 4, "save_freq": 25, "log_every": 5})
+    manifest = run_ppo(recipe, QUIET)
+    run = RunDir.for_recipe(recipe)
+    rows = read_metrics(run.stage_dir("ppo") / "metrics.jsonl")
+
+    assert manifest["status"] == "completed"
+    assert [r["iteration"] for r in rows] == list(range(1, 26))
+    assert all(key in rows[0] for key in REQUIRED_KEYS)
+    first = sum(r["env/reward_mean"] for r in rows[:5]) / 5
+    last = sum(r["env/reward_mean"] for r in rows[-5:]) / 5
+    assert last > first + 0.1, (first, last)
+    assert all(torch.isfinite(torch.tensor(r["objective/kl"])) for r in rows)
+    # β moves toward the target: down while KL is under it, up while over it
+    mean_kl = sum(r["objective/kl"] for r in rows) / len(rows)
+    beta_change = manifest["metrics"]["kl_coef_now"] - recipe.ppo.init_kl_coef
+    assert beta_change != 0 and (beta_change < 0) == (mean_kl < recipe.ppo.target_kl)
+    for name in ("adapter", "value_head", "tokenizer", "samples"):
+        assert (run.stage_dir("ppo") / manifest["outputs"][name]).exists()
+    assert set(manifest["inputs"]) == {"sft", "rm"}
+    samples = read_metrics(run.stage_dir("ppo") / "samples.jsonl")
+    assert samples and {"prompt", "response", "score", "kl"} <= set(samples[0])
+
+
+def test_frozen_models_get_no_gradients(pipeline, tmp_path, small_recipe, monkeypatch):
+    from rlhf_cli.stages import ppo as stage
+    from rlhf_cli.stages.ppo import run_ppo
+
+    seen: dict[str, Any] = {}
+    real_train = stage.train
+
+    def spying_train(ctx, start):
+        actor = ctx.unwrapped
+        seen["base"] = {n: p.detach().clone() for n, p in actor.policy.named_parameters()
+                        if "lora_" not in n}
+        seen["lora"] = {n: p.detach().clone() for n, p in actor.policy.named_parameters()
+                        if "lora_" in n}
+        seen["rm"] = {n: p.detach().clone() for n, p in ctx.scorer.model.named_parameters()}
+        seen["dropout"] = [m.p for m in list(actor.modules()) + list(ctx.scorer.model.modules())
+                           if isinstance(m, torch.nn.Dropout)]
+        summary = real_train(ctx, start)
+        seen["ctx"] = ctx
+        return summary
+
+    monkeypatch.setattr(stage, "train", spying_train)
+    run_ppo(ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 3}), QUIET)
+    actor = seen["ctx"].unwrapped
+    assert seen["dropout"] and all(p == 0.0 for p in seen["dropout"])
+    for name, param in actor.policy.named_parameters():
+        if "lora_" in name:
+            continue
+        assert not param.requires_grad and param.grad is None, name
+        assert torch.equal(param, seen["base"][name]), name
+    assert any(not torch.equal(p, seen["lora"][n]) for n, p in actor.policy.named_parameters()
+               if "lora_" in n)
+    assert torch.count_nonzero(actor.value_head.weight) > 0  # started at zero, trained
+    for name, param in seen["ctx"].scorer.model.named_parameters():
+        assert not param.requires_grad and param.grad is None
+        assert torch.equal(param, seen["rm"][name]), name
+
+
+def _losses(run: RunDir) -> list[float]:
+    return [r["ppo/loss/total"] for r in read_metrics(run.stage_dir("ppo") / "metrics.jsonl")]
+
+
+def test_interrupt_checkpoints_and_resume_reproduces(pipeline, tmp_path, small_recipe,
+                                                     monkeypatch):
+    from rlhf_cli.stages.ppo import run_ppo
+
+    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, PPO_SMALL)
+    run = RunDir.for_recipe(recipe)
+    run_ppo(recipe, QUIET)
+    uninterrupted = _losses(run)
+    shutil.rmtree(run.stage_dir("ppo"))
+
+    real_log = MetricsWriter.log
+
+    def log_then_ctrl_c(self, metrics, step):  # Ctrl-C arrives during iteration 3
+        real_log(self, metrics, step)
+        if self.path.name == "metrics.jsonl" and step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(MetricsWriter, "log", log_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        run_ppo(recipe, QUIET)
+    monkeypatch.setattr(MetricsWriter, "log", real_log)
+    assert run.read_manifest("ppo")["status"] == "interrupted"
+    assert (run.stage_dir("ppo") / "checkpoints" / "iter_00003" / "checkpoint.json").is_file()
+
+    manifest = run_ppo(recipe, QUIET, resume=True)
+    assert manifest["status"] == "completed"
+    rows = read_metrics(run.stage_dir("ppo") / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == list(range(1, 9))
+    assert_close(torch.tensor(_losses(run)), torch.tensor(uninterrupted), rtol=1e-4, atol=1e-5)
+
+
+def test_corrupt_newest_checkpoint_falls_back(pipeline, tmp_path, small_recipe):
+    from rlhf_cli.stages.ppo import run_ppo
+
+    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, PPO_SMALL)
+    run_ppo(recipe, QUIET)
+    checkpoints = RunDir.for_recipe(recipe).stage_dir("ppo") / "checkpoints"
+    weights = checkpoints / "iter_00008" / "policy.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated by a crash
+    manifest = run_ppo(recipe, QUIET, resume=True)
+    assert manifest["status"] == "completed"
+    assert any("iter_00008 is corrupt" in w for w in manifest["warnings"])
+    assert manifest["metrics"]["iterations"] == 8
+
+
+def test_missing_sft_names_the_command(tmp_path, small_recipe):
+    from rlhf_cli.stages.ppo import run_ppo
+
+    with pytest.raises(StageError, match="run `rlhf sft` first"):
+        run_ppo(load_recipe(small_recipe(tmp_path)), QUIET)
+
+
+def _rlhf(args: list[str], cwd: Path, **kw: Any) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "rlhf_cli.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def test_cli_ctrl_c_exits_130_with_a_checkpoint(pipeline, tmp_path, small_recipe):
+    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 200})
+    run = RunDir.for_recipe(recipe)
+    metrics = run.stage_dir("ppo") / "metrics.jsonl"
+    proc = _rlhf(["ppo", "--recipe", str(tmp_path / "recipe.yaml")], tmp_path)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(read_metrics(metrics)) < 2 and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out
+    assert run.read_manifest("ppo")["status"] == "interrupted"
+    assert list((run.stage_dir("ppo") / "checkpoints").glob("iter_*/checkpoint.json"))
+
+
+def test_two_processes_log_one_line_per_iteration(pipeline, tmp_path, small_recipe):
+    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 3})
+    run = RunDir.for_recipe(recipe)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(29500 + os.getpid() % 1000), "-m", "rlhf_cli.cli", "ppo",
+           "--recipe", str(tmp_path / "recipe.yaml"), "--quiet"]
+    for attempt in range(2):  # torchrun rarely reports a failure after both ranks finished
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        manifest = run.read_manifest("ppo")
+        if manifest and manifest["status"] == "completed":
+            break
+    assert manifest["status"] == "completed", done.stdout[-2000:] + done.stderr[-2000:]
+    rows = read_metrics(run.stage_dir("ppo") / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert json.loads(run.manifest_path("ppo").read_text())["metrics"]["iterations"] == 3

@@ -1,0 +1,73 @@
+"""The rollout details that decide whether PPO works, pinned on tiny tensors and a tiny model."""
+
+from __future__ import annotations
+
+import torch
+from torch.testing import assert_close
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rlhf_cli.ppo.models import PolicyAndValue, position_ids_from, zero_value_head
+from rlhf_cli.ppo.rollout import left_pad, response_logprobs, response_mask_from
+
+EOS = 2
+
+
+def test_mask_keeps_a_real_eos_when_pad_equals_eos():
+    # generate() pads finished rows with pad == eos; the first EOS is real and stays in the mask
+    response = torch.tensor([[5, 7, EOS, EOS, EOS], [5, 6, 7, 8, 9]])
+    mask, ended = response_mask_from(response, [EOS])
+    assert mask.tolist() == [[True, True, True, False, False], [True] * 5]
+    assert ended.tolist() == [True, False]
+
+
+def test_mask_stops_at_any_stop_token_and_at_position_zero():
+    response = torch.tensor([[9, EOS, 4], [7, 3, 3]])
+    mask, ended = response_mask_from(response, [EOS, 7])
+    assert mask.tolist() == [[True, True, False], [True, False, False]]
+    assert ended.tolist() == [True, True]
+
+
+def test_position_ids_count_real_tokens_only():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert position_ids_from(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_left_pad():
+    ids, mask = left_pad([[4, 5], [6, 7, 8]], pad_id=0, device=torch.device("cpu"))
+    assert ids.tolist() == [[0, 4, 5], [6, 7, 8]]
+    assert mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+
+
+def test_logprobs_use_the_sampling_temperature():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    response = torch.randint(0, 11, (2, 3))
+    logprobs, _ = response_logprobs(logits, response, query_width=2, temperature=0.7)
+    expected = torch.log_softmax(logits[:, 1:4] / 0.7, -1).gather(-1, response[..., None])[..., 0]
+    assert_close(logprobs, expected)
+
+
+def _tiny_actor() -> PolicyAndValue:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    return PolicyAndValue(LlamaForCausalLM(config).eval(), value_head=zero_value_head(32))
+
+
+def test_left_padded_forward_matches_unpadded():
+    # the reference/value passes must see generation's positions: padding changes nothing
+    actor = _tiny_actor()
+    short, long = [5, 6, 7], [8, 9, 10, 11, 12]
+    ids, mask = left_pad([short, long], pad_id=0, device=torch.device("cpu"))
+    with torch.no_grad():
+        batched, _ = actor(ids, mask)
+        alone, _ = actor(torch.tensor([short]), torch.ones(1, 3, dtype=torch.long))
+    assert_close(batched[0, 2:], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_value_head_starts_at_zero():
+    actor = _tiny_actor()
+    ids, mask = left_pad([[5, 6, 7]], pad_id=0, device=torch.device("cpu"))
+    _, values = actor(ids, mask)
+    assert values.shape == (1, 3)
+    assert torch.count_nonzero(values) == 0
