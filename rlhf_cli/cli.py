@@ -132,40 +132,122 @@ def train_rm(recipe: RecipeOpt = None, as_json: JsonOpt = False, quiet: QuietOpt
     _stage(run_train_rm, "rm", recipe, as_json, quiet, runs_dir)
 
 
-def _not_built(stage: str) -> None:
-    make_console().print(f"[red]error:[/] `rlhf {stage}` is not built yet in this version")
-    raise typer.Exit(2)
+def _recipe_near(path: Path | None) -> Path | None:
+    """The recipe snapshot of the run a checkpoint or file lives in (`runs/<name>/recipe.yaml`)."""
+    if path is None:
+        return None
+    for folder in [path.resolve(), *path.resolve().parents]:
+        if (folder / "recipe.yaml").is_file() and folder.parent.joinpath("LATEST").exists():
+            return folder / "recipe.yaml"
+    return None
 
 
 @app.command()
 @_exit_on_errors
-def ppo(recipe: RecipeOpt = None, resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue from the newest checkpoint.")] = False,
-        as_json: JsonOpt = False, quiet: QuietOpt = False,
-        runs_dir: RunsOpt = Path("runs")) -> None:
-    """Stage 4: PPO alignment against the frozen reward model, KL to the frozen reference."""
-    from rlhf_cli.stages.ppo import run_ppo
+def audit(checkpoint: Annotated[Path | None, typer.Argument(
+              help="PPO run, checkpoint (ppo/checkpoints/iter_N), adapter or merged model "
+                   "folder. Default: the latest run's final policy.")] = None,
+          responses: Annotated[Path | None, typer.Option(
+              "--responses", help="Audit responses generated elsewhere: JSONL rows with "
+                                  "`prompt` and `response`.")] = None,
+          samples: Annotated[int | None, typer.Option(
+              "--samples", min=1, help="Responses per prompt (default: audit.samples).")] = None,
+          recipe: RecipeOpt = None, as_json: JsonOpt = False, quiet: QuietOpt = False,
+          runs_dir: RunsOpt = Path("runs")) -> None:
+    """Reward-hacking audit: verbosity, sycophancy, repetition. Exit 1 when detected."""
+    from rlhf_cli.errors import HackingDetected
+    from rlhf_cli.stages.audit import run_audit
 
-    _stage(functools.partial(run_ppo, resume=resume), "ppo", recipe, as_json, quiet, runs_dir)
+    _quiet_libraries()
+    resolved = resolve_recipe(recipe or _recipe_near(checkpoint), runs_dir)
+    report = run_audit(resolved, make_console(quiet, as_json), checkpoint, responses, samples)
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
+    if report["hacking_detected"]:
+        raise HackingDetected("reward hacking detected: " + ", ".join(report["flags"]))
 
 
 @app.command()
-def audit(checkpoint: Annotated[Path | None, typer.Argument(help="Checkpoint folder.")] = None,
-          as_json: JsonOpt = False) -> None:
-    """Reward-hacking audit: verbosity, sycophancy, repetition (exit 1 when detected)."""
-    _not_built("audit")
+@_exit_on_errors
+def merge(stage: Annotated[str, typer.Option(
+              "--stage", help="Which adapter to merge: ppo (default) or sft.")] = "ppo",
+          recipe: RecipeOpt = None, as_json: JsonOpt = False, quiet: QuietOpt = False,
+          runs_dir: RunsOpt = Path("runs")) -> None:
+    """Merge the latest run's PPO LoRA adapter into its base (fp16/bf16, never 4-bit)."""
+    from rlhf_cli.errors import RlhfError as UsageError
+    from rlhf_cli.stages.merge import run_merge
+
+    if stage not in ("ppo", "sft"):
+        raise UsageError(f"--stage must be ppo or sft, not '{stage}'")
+    _stage(functools.partial(run_merge, stage=stage), "merged", recipe, as_json, quiet, runs_dir)
 
 
 @app.command()
-def merge(as_json: JsonOpt = False) -> None:
-    """Merge the PPO LoRA adapter into its base model."""
-    _not_built("merge")
+@_exit_on_errors
+def push(adapter_only: Annotated[bool, typer.Option(
+             "--adapter-only", help="Push the LoRA adapter instead of the merged model.")] = False,
+         dry_run: Annotated[bool, typer.Option(
+             "--dry-run", help="Write the model card and show what would be sent; no upload."
+         )] = False,
+         recipe: RecipeOpt = None, as_json: JsonOpt = False, quiet: QuietOpt = False,
+         runs_dir: RunsOpt = Path("runs")) -> None:
+    """Publish the merged model (or adapter) to push.repo_id with a model card.
+
+    The token comes from HF_TOKEN or your saved login (`hf auth login`), never the recipe.
+    """
+    from rlhf_cli.stages.push import run_push
+
+    resolved = resolve_recipe(recipe, runs_dir)
+    result = run_push(resolved, make_console(quiet, as_json), adapter_only, dry_run)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    elif not quiet:
+        for name in result["files"]:
+            typer.echo(f"  {name}")
+        typer.echo(f"{'would push' if dry_run else 'pushed'} {result['folder']} → "
+                   f"{result.get('url', result['repo_id'])}")
 
 
 @app.command()
-def push(as_json: JsonOpt = False) -> None:
-    """Publish the merged model (or adapter) with a model card."""
-    _not_built("push")
+@_exit_on_errors
+def report(run: Annotated[str | None, typer.Argument(
+               help="Run name (default: the latest run).")] = None,
+           as_json: JsonOpt = False, runs_dir: RunsOpt = Path("runs")) -> None:
+    """Plot a run's PPO curves to ppo/report.png and ppo/report.html."""
+    from rlhf_cli.errors import StageError
+    from rlhf_cli.stages.report import run_report
+
+    target = RunDir(runs_dir, run) if run else RunDir.latest(runs_dir)
+    if target is None or not target.path.is_dir():
+        raise StageError(f"no run {'named ' + repr(run) if run else 'yet'} under {runs_dir}: "
+                         "run `rlhf sft` first")
+    paths = run_report(target)
+    typer.echo(json.dumps(paths) if as_json else f"wrote {paths['png']} and {paths['html']}")
+
+
+@app.command()
+@_exit_on_errors
+def compare(prompt: Annotated[list[str] | None, typer.Option(
+                "--prompt", "-p", help="A prompt (repeatable). Default: the audit prompts.")]
+            = None,
+            recipe: RecipeOpt = None, as_json: JsonOpt = False,
+            runs_dir: RunsOpt = Path("runs")) -> None:
+    """The guide's quick inference test: SFT vs PPO answers with their reward scores."""
+    from rlhf_cli.stages.compare import run_compare
+
+    _quiet_libraries()
+    rows = run_compare(resolve_recipe(recipe, runs_dir), prompt)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(show_lines=True)
+    for column in ("prompt", "SFT", "PPO"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        score = {k: f"\n[dim]reward {row[k + '_score']:+.3f}[/]" if k + "_score" in row else ""
+                 for k in ("sft", "ppo")}
+        table.add_row(row["prompt"], row["sft"] + score["sft"], row["ppo"] + score["ppo"])
+    make_console().print(table)
 
 
 def main() -> None:

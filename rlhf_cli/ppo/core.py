@@ -350,6 +350,10 @@ class AdaptiveKLController:
         self.target = float(d.get("target", self.target))
         self.horizon = int(d.get("horizon", self.horizon))
 
+    def raise_by(self, delta: float) -> None:
+        """Raise the coefficient by ``delta`` (the audit's response to reward hacking)."""
+        self._value += float(delta)
+
 
 class FixedKLController:
     """Constant KL coefficient with the :class:`AdaptiveKLController` interface."""
@@ -372,3 +376,7 @@ class FixedKLController:
     def load_state_dict(self, d: dict[str, float]) -> None:
         """Restore state saved by :meth:`state_dict`."""
         self._value = float(d["value"])
+
+    def raise_by(self, delta: float) -> None:
+        """Raise the coefficient by ``delta`` (the audit's response to reward hacking)."""
+        self._value += float(delta)

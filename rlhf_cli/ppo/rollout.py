@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -92,6 +93,51 @@ def response_logprobs(logits: Tensor, response_ids: Tensor, query_width: int,
     return logprobs_from_logits(step_logits, response_ids), step_logits
 
 
+def generate(model: Any, tokenizer: Any, queries: list[list[int]], gen: GenerationSection,
+             stop_ids: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Left-padded batched sampling with the KV cache. Returns query ids and mask (b, p),
+    response ids (b, r) trimmed to the longest response with pads after each stop token,
+    response mask (b, r) and `ended` (b,)."""
+    device = next(model.parameters()).device
+    query_ids, query_mask = left_pad(queries, tokenizer.pad_token_id, device)
+    output = model.generate(
+        input_ids=query_ids, attention_mask=query_mask, max_new_tokens=gen.max_new_tokens,
+        do_sample=gen.do_sample, temperature=gen.temperature if gen.do_sample else None,
+        top_p=gen.top_p if gen.do_sample else None, top_k=gen.top_k if gen.do_sample else None,
+        eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+    response_ids = output[:, query_ids.shape[1]:]
+    response_mask, ended = response_mask_from(response_ids, stop_ids)
+    width = max(int(response_mask.sum(1).max()), 1)
+    response_ids, response_mask = response_ids[:, :width], response_mask[:, :width]
+    response_ids = torch.where(response_mask, response_ids, tokenizer.pad_token_id)
+    return query_ids, query_mask, response_ids, response_mask, ended
+
+
+def decode(tokenizer: Any, response_ids: Tensor, response_mask: Tensor) -> list[str]:
+    return [tokenizer.decode(ids[mask], skip_special_tokens=True).strip()
+            for ids, mask in zip(response_ids.cpu(), response_mask.cpu(), strict=True)]
+
+
+def tokenize_prompts(tokenizer: Any, prompts: list[str], chat: bool,
+                     max_tokens: int) -> list[list[int]]:
+    """Token ids of each prompt (chat template with the generation prompt when `chat`),
+    truncated from the left to `max_tokens` so the generation prompt survives."""
+    if chat and tokenizer.chat_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompts)["input_ids"]
+    return [q[-max_tokens:] for q in ids]
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return sorted(i for i in ids if i is not None)
+
+
 def score_temperature(gen: GenerationSection) -> float:
     return gen.temperature if gen.do_sample else 1.0
 
@@ -109,23 +155,14 @@ def collect_rollout(actor: PolicyAndValue, reference: Reference, scorer: RewardS
 
     # 1. Batched, left-padded generation with the KV cache.
     start = time.perf_counter()
-    query_ids, query_mask = left_pad(queries, tokenizer.pad_token_id, device)
-    output = actor.policy.generate(
-        input_ids=query_ids, attention_mask=query_mask, max_new_tokens=gen.max_new_tokens,
-        do_sample=gen.do_sample, temperature=gen.temperature if gen.do_sample else None,
-        top_p=gen.top_p if gen.do_sample else None, top_k=gen.top_k if gen.do_sample else None,
-        eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True)
-    response_ids = output[:, query_ids.shape[1]:]
-    response_mask, ended = response_mask_from(response_ids, stop_ids)
-    width = max(int(response_mask.sum(1).max()), 1)  # trim to the longest response
-    response_ids, response_mask = response_ids[:, :width], response_mask[:, :width]
-    response_ids = torch.where(response_mask, response_ids, tokenizer.pad_token_id)
+    query_ids, query_mask, response_ids, response_mask, ended = generate(
+        actor.policy, tokenizer, queries, gen, stop_ids)
+    width = response_ids.shape[1]
     timings["time/rollout_s"] = time.perf_counter() - start
 
     # 2. Score decoded text with the reward model's own tokenizer, in batches.
     start = time.perf_counter()
-    responses = [tokenizer.decode(ids[mask], skip_special_tokens=True).strip()
-                 for ids, mask in zip(response_ids.cpu(), response_mask.cpu())]
+    responses = decode(tokenizer, response_ids, response_mask)
     raw_scores, n_truncated = scorer.score(prompts, responses)
     scores = raw_scores.clone()
     if reward_clip is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from rlhf_cli.errors import RlhfError
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.checkpoint import save_checkpoint
 from rlhf_cli.ppo.health import HealthMonitor
@@ -28,8 +29,10 @@ from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.tracking import MetricsWriter, make_progress
 
 
-class NonFiniteError(Exception):
-    """Too many non-finite updates in a row."""
+class NonFiniteError(RlhfError):
+    """Too many iterations in a row with non-finite rewards or losses: training diverged."""
+
+    exit_code = 3
 
 
 @dataclass
@@ -57,6 +60,9 @@ class PPOContext:
     history: list[dict[str, Any]] = field(default_factory=list)
     on_warning: Callable[[str], None] = print
     max_nonfinite: int = 3
+    audit: Callable[[PPOContext], dict[str, Any]] | None = None
+    audit_every: int | None = None
+    audit_kl_step: float = 0.0
 
     @property
     def unwrapped(self) -> PolicyAndValue:
@@ -271,6 +277,7 @@ def train(ctx: PPOContext, start_iteration: int = 0) -> dict[str, Any]:
                             "time/iteration_s": iteration_s,
                             "tokens/generated_per_s": n_tokens / rollout.timings[
                                 "time/rollout_s"], "iteration": iteration})
+            metrics.update(_audit_metrics(ctx, iteration))
             ctx.history.append(metrics)
             if is_main:
                 ctx.writer.log(metrics, step=iteration)
@@ -296,6 +303,27 @@ def train(ctx: PPOContext, start_iteration: int = 0) -> dict[str, Any]:
             if stop_now:
                 raise KeyboardInterrupt
     return summarize(ctx.history)
+
+
+def _audit_metrics(ctx: PPOContext, iteration: int) -> dict[str, float]:
+    """The in-training audit every `audit.every` iterations: its rates go into metrics.jsonl,
+    and when it flags hacking β is raised by `audit.kl_coef_step` (on every process)."""
+    if ctx.audit is None or not ctx.audit_every or iteration % ctx.audit_every:
+        return {}
+    acc = ctx.accelerator
+    report = ctx.audit(ctx) if acc.is_main_process else None
+    flagged = torch.tensor(float(bool(report and report["hacking_detected"])), device=acc.device)
+    flagged_any = bool(acc.reduce(flagged, "max").item())
+    if flagged_any:
+        ctx.kl_ctl.raise_by(ctx.audit_kl_step)
+    if report is None:
+        return {}
+    if flagged_any:
+        ctx.on_warning(f"iteration {iteration}: the audit flagged {', '.join(report['flags'])}; "
+                       f"β raised to {ctx.kl_ctl.value:.4f}")
+    out = {f"audit/{k}": float(report[k]) for k in ("verbosity_score", "sycophancy_score",
+                                                   "repetition_score", "avg_response_len")}
+    return {**out, "audit/hacking_detected": float(flagged_any)}
 
 
 def _finite(metrics: dict[str, float]) -> bool:

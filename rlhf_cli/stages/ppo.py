@@ -10,6 +10,8 @@ compares log-probs of the same tokens at two times, and dropout noise would bias
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +40,9 @@ from rlhf_cli.ppo.models import (
     hidden_size_of,
     zero_value_head,
 )
+from rlhf_cli.ppo.rollout import stop_token_ids, tokenize_prompts
 from rlhf_cli.ppo.trainer import PPOContext, summarize, train
-from rlhf_cli.recipe import Recipe
+from rlhf_cli.recipe import ModelSection, Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import seed_everything
@@ -71,17 +74,28 @@ def reward_source(recipe: Recipe, run: RunDir, inputs: dict[str, Any]) -> tuple[
     return path, str(run.resolve_output("rm", manifest, "tokenizer"))
 
 
+def load_sft_model(model_cfg: ModelSection, base: str, sft_adapter: Path | None,
+                   device: torch.device) -> Any:
+    """The SFT model, frozen: base weights with the SFT adapter (if any) merged in. It is the
+    PPO reference, and the base the PPO adapter is trained and merged on."""
+    from peft import PeftModel
+
+    no_lora = model_cfg.model_copy(update={"lora": model_cfg.lora.model_copy(
+        update={"enabled": False})})
+    model = load_causal_lm(base, no_lora, device, trainable=False)
+    if sft_adapter is not None:
+        model = PeftModel.from_pretrained(model, str(sft_adapter)).merge_and_unload()
+    return model
+
+
 def build_actor(recipe: Recipe, base: str, sft_adapter: Path | None, device: torch.device,
                 reward_path: str, same_tokenizer: bool) -> tuple[PolicyAndValue, Reference]:
     """Policy (+ fresh LoRA), value head or critic, and the reference, dropout off."""
-    from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModel
 
     cfg, lora = recipe.ppo, recipe.model.lora
-    no_lora = recipe.model.model_copy(update={"lora": lora.model_copy(update={"enabled": False})})
-    model = load_causal_lm(base, no_lora, device, trainable=False)
-    if sft_adapter is not None:  # the SFT model is the reference: merge its adapter first
-        model = PeftModel.from_pretrained(model, str(sft_adapter)).merge_and_unload()
+    model = load_sft_model(recipe.model, base, sft_adapter, device)
     if lora.enabled:
         if recipe.model.quantization.load_in_4bit:
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -91,8 +105,8 @@ def build_actor(recipe: Recipe, base: str, sft_adapter: Path | None, device: tor
         policy = model
         for param in policy.parameters():
             param.requires_grad_(True)
-        reference = Reference(policy, frozen_copy=load_causal_lm(base, no_lora, device,
-                                                                 trainable=False))
+        reference = Reference(policy, frozen_copy=load_sft_model(recipe.model, base, sft_adapter,
+                                                                 device))
     set_dropout(policy, 0.0)
 
     if cfg.value_model == "shared":
@@ -120,26 +134,6 @@ def _reward_head(reward_path: str, device: torch.device) -> dict[str, torch.Tens
                              "initialise the critic from; use ppo.value_init: policy")
     return {"weight": head.weight.detach().float(), "bias": head.bias.detach().float()
             if head.bias is not None else torch.zeros(1)}
-
-
-def tokenize_prompts(tokenizer: Any, prompts: list[str], chat: bool,
-                     max_tokens: int) -> list[list[int]]:
-    """Token ids of each prompt (chat template with the generation prompt when `chat`),
-    truncated from the left to `max_tokens` so the generation prompt survives."""
-    if chat and tokenizer.chat_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in prompts]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(prompts)["input_ids"]
-    return [q[-max_tokens:] for q in ids]
-
-
-def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured])
-    return sorted(i for i in ids if i is not None)
 
 
 def prompt_overlap(run: RunDir, prompts: list[str]) -> int:
@@ -204,6 +198,8 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
                   if cfg.adaptive_kl else core.FixedKLController(cfg.init_kl_coef))
         sampler = torch.Generator().manual_seed(recipe.run.seed)
         start, seen = 0, []
+        if not resume and is_main:  # an earlier run's checkpoints must not be resumed later
+            shutil.rmtree(stage_dir / "checkpoints", ignore_errors=True)
         if resume:
             start, seen = _resume(record, stage_dir, actor, optimizer, scheduler, kl_ctl,
                                   sampler, console)
@@ -219,7 +215,9 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
                          stop_ids=stop_token_ids(tokenizer, actor.policy), optimizer=optimizer,
                          scheduler=scheduler, kl_ctl=kl_ctl, sampler=sampler,
                          stage_dir=stage_dir, writer=writer, samples=samples, console=console,
-                         health=HealthMonitor(seen), on_warning=record.warn)
+                         health=HealthMonitor(seen), on_warning=record.warn,
+                         audit=_live_audit(recipe, chat), audit_every=recipe.audit.every,
+                         audit_kl_step=recipe.audit.kl_coef_step)
         ctx.history = [r for r in read_metrics(stage_dir / "metrics.jsonl")
                        if r.get("iteration", 0) <= start] if start else []
         try:
@@ -247,6 +245,21 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
             record.manifest["reward_model"] = reward_path
             record.manifest["metrics"] = {**summary, "kl_coef_now": kl_ctl.value}
     return record.manifest
+
+
+def _live_audit(recipe: Recipe, chat: bool) -> Callable[[PPOContext], dict[str, Any]]:
+    """`audit.every`: the same audit as `rlhf audit`, on the live policy."""
+    from rlhf_cli.audit.measure import audit_policy
+    from rlhf_cli.stages.audit import audit_prompts
+
+    prompts = audit_prompts(recipe.audit)
+
+    def audit(ctx: PPOContext) -> dict[str, Any]:
+        return audit_policy(ctx.unwrapped.policy, ctx.tokenizer, prompts, recipe.audit,
+                            chat=chat, max_tokens=recipe.data.prompts.max_tokens,
+                            stop_ids=ctx.stop_ids, reference=ctx.reference, scorer=ctx.scorer)
+
+    return audit
 
 
 def _resume(record: StageRecord, stage_dir: Path, actor: PolicyAndValue, optimizer: Any,

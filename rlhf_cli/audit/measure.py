@@ -1,0 +1,112 @@
+"""Audit a live or saved policy: sample on the audit prompts, run the detectors, and, when a
+reward model and the reference are at hand, compare rewards and measure the KL to the reference.
+Used by `rlhf audit` and inside `rlhf ppo` (`audit.every`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from rlhf_cli.audit.detectors import audit_responses
+from rlhf_cli.ppo.models import Reference, position_ids_from
+from rlhf_cli.ppo.rollout import (
+    decode,
+    generate,
+    response_logprobs,
+    score_temperature,
+    tokenize_prompts,
+)
+from rlhf_cli.recipe import AuditSection
+from rlhf_cli.scoring import RewardScorer
+
+ACTION = "Increase KL coefficient (β) by {step} and recheck in 25 iterations."
+
+
+@torch.inference_mode()
+def _sample(model: Any, tokenizer: Any, queries: list[list[int]], cfg: AuditSection,
+            stop_ids: list[int], batch_size: int) -> tuple[list[str], list[torch.Tensor]]:
+    """Responses, and per batch the tensors needed for the KL: (ids, mask, response ids/mask)."""
+    texts, batches = [], []
+    for start in range(0, len(queries), batch_size):
+        q_ids, q_mask, r_ids, r_mask, _ = generate(model, tokenizer,
+                                                   queries[start:start + batch_size],
+                                                   cfg.generation, stop_ids)
+        texts.extend(decode(tokenizer, r_ids, r_mask))
+        batches.append((q_ids, q_mask, r_ids, r_mask))
+    return texts, batches
+
+
+@torch.inference_mode()
+def _kl_to_reference(model: Any, reference: Reference, batches: list[Any],
+                     temperature: float) -> float:
+    """Mean over responses of Σ_t (log π − log π_ref) on the policy's own samples."""
+    totals = []
+    for q_ids, q_mask, r_ids, r_mask in batches:
+        ids = torch.cat([q_ids, r_ids], 1)
+        mask = torch.cat([q_mask, r_mask.long()], 1)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask),
+                       use_cache=False).logits
+        width = q_ids.shape[1]
+        logp, _ = response_logprobs(logits, r_ids, width, temperature)
+        ref_logp, _ = response_logprobs(reference.logits(ids, mask), r_ids, width, temperature)
+        totals.append(((logp - ref_logp) * r_mask).sum(1))
+    return float(torch.cat(totals).mean())
+
+
+def audit_policy(model: Any, tokenizer: Any, prompts: list[str], cfg: AuditSection, *,
+                 chat: bool, max_tokens: int, stop_ids: list[int],
+                 reference: Reference | None = None, scorer: RewardScorer | None = None,
+                 batch_size: int = 16) -> dict[str, Any]:
+    """The guide's audit report on `cfg.samples` responses per prompt."""
+    was_training = model.training
+    model.eval()
+    asked = [p for p in prompts for _ in range(cfg.samples)]
+    queries = tokenize_prompts(tokenizer, asked, chat, max_tokens)
+    responses, batches = _sample(model, tokenizer, queries, cfg, stop_ids, batch_size)
+    report = audit_responses(responses, cfg)
+    if scorer is not None:
+        report["reward_policy_mean"] = float(scorer.score(asked, responses)[0].mean())
+    if reference is not None:
+        temperature = score_temperature(cfg.generation)
+        report["kl_to_reference"] = _kl_to_reference(model, reference, batches, temperature)
+        if scorer is not None:
+            with reference.model() as ref:
+                ref_responses, _ = _sample(ref, tokenizer, queries, cfg, stop_ids, batch_size)
+            report["reward_reference_mean"] = float(scorer.score(asked, ref_responses)[0].mean())
+    report["samples"] = [{"prompt": p, "response": r} for p, r in zip(asked, responses,
+                                                                        strict=True)]
+    model.train(was_training)
+    return report
+
+
+def render_report(report: dict[str, Any], cfg: AuditSection, console: Console,
+                  title: str) -> None:
+    """The guide's audit printout as a rich table, and the recommended action."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_column("threshold", justify="right")
+    table.add_column("")
+    rows = [("Verbosity rate", "verbosity", cfg.verbosity_threshold),
+            ("Sycophancy rate", "sycophancy", cfg.sycophancy_threshold),
+            ("Repetition rate", "repetition", cfg.repetition_threshold)]
+    table.add_row("Avg response length", f"{report['avg_response_len']:.1f} words", "", "")
+    for label, key, limit in rows:
+        flagged = key in report["flags"]
+        table.add_row(label, f"{report[f'{key}_score']:.1%}", f"> {limit:.0%}",
+                      "[red]⚠[/]" if flagged else "[green]✓[/]")
+    for key, label in (("reward_policy_mean", "Mean reward, policy"),
+                       ("reward_reference_mean", "Mean reward, reference"),
+                       ("kl_to_reference", "KL to reference (nats)")):
+        if key in report:
+            table.add_row(label, f"{report[key]:+.4f}", "", "")
+    table.add_row("Responses", str(report["n_responses"]), "", "")
+    console.print(table)
+    if report["hacking_detected"]:
+        console.print("[red bold]REWARD HACKING DETECTED[/] (" + ", ".join(report["flags"]) + ")")
+        console.print("Action: " + ACTION.format(step=cfg.kl_coef_step))
+    else:
+        console.print("[green]No reward hacking patterns detected.[/]")

@@ -1,0 +1,88 @@
+"""`rlhf audit`: the guide's reward-hacking audit (Part 10) on a policy or on given responses.
+
+Exit code 1 when hacking is detected, so the command gates a shell pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from rlhf_cli.audit.detectors import audit_responses
+from rlhf_cli.audit.measure import audit_policy, render_report
+from rlhf_cli.errors import DataError
+from rlhf_cli.modeling import pick_device
+from rlhf_cli.ppo.rollout import stop_token_ids
+from rlhf_cli.recipe import AuditSection, Recipe
+from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json
+from rlhf_cli.stages.trained import load_scorer, load_trained_policy
+
+
+def audit_prompts(cfg: AuditSection) -> list[str]:
+    if cfg.prompts_file:
+        lines = Path(cfg.prompts_file).read_text(encoding="utf-8").splitlines()
+        prompts = [line.strip() for line in lines if line.strip()]
+    else:
+        prompts = list(cfg.prompts)
+    if not prompts:
+        raise DataError("audit: no prompts (audit.prompts or audit.prompts_file)")
+    return prompts
+
+
+def read_responses(path: Path) -> tuple[list[str], list[str]]:
+    """Rows with `prompt` and `response` from a JSONL file."""
+    if not path.is_file():
+        raise DataError(f"--responses: file not found: {path}")
+    prompts, responses = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise DataError(f"{path}:{number}: not a JSON object") from None
+        if not isinstance(row, dict) or "response" not in row:
+            raise DataError(f"{path}:{number}: a row needs `prompt` and `response`")
+        prompts.append(str(row.get("prompt", "")))
+        responses.append(str(row["response"]))
+    if not responses:
+        raise DataError(f"{path}: no responses")
+    return prompts, responses
+
+
+def run_audit(recipe: Recipe, console: Console, checkpoint: Path | None = None,
+              responses_file: Path | None = None, samples: int | None = None) -> dict[str, Any]:
+    """Measure, print and save the audit report; return it (with `path` of the saved file)."""
+    cfg = recipe.audit if samples is None else recipe.audit.model_copy(update={"samples": samples})
+    run = RunDir.for_recipe(recipe)
+    if responses_file is not None:
+        prompts, responses = read_responses(responses_file)
+        report = audit_responses(responses, cfg)
+        report["samples"] = [{"prompt": p, "response": r}
+                             for p, r in zip(prompts, responses, strict=True)]
+        label = responses_file.stem
+    else:
+        device = pick_device(recipe.run.device)
+        policy = load_trained_policy(recipe, run, device, checkpoint)
+        label = policy.label if checkpoint is not None else "ppo"
+        with console.status(f"auditing {label}: sampling {cfg.samples} responses per prompt"):
+            report = audit_policy(
+                policy.model, policy.tokenizer, audit_prompts(cfg), cfg,
+                chat=recipe.model.prompt_format == "chat",
+                max_tokens=recipe.data.prompts.max_tokens,
+                stop_ids=stop_token_ids(policy.tokenizer, policy.model),
+                reference=policy.reference, scorer=load_scorer(recipe, run, device))
+    report["audited"] = str(responses_file or checkpoint or run.stage_dir("ppo"))
+    earlier = (run.read_manifest("audit") or {}).get("outputs", {})
+    with StageRecord(run, "audit", recipe, inputs={}) as record:
+        path = record.dir / f"{label}.json"
+        atomic_write_json(path, report)
+        record.manifest["outputs"] = {**earlier, label: path.name}
+        record.manifest["last"] = label
+        record.manifest["metrics"] = {k: v for k, v in report.items()
+                                      if isinstance(v, (int, float, bool))}
+    render_report(report, cfg, console, f"Reward Hack Audit · {label}")
+    return {**report, "path": str(path)}

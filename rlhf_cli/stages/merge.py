@@ -1,0 +1,92 @@
+"""`rlhf merge`: the LoRA adapter merged into its base (the guide's Part 11, Option B).
+
+The base is reloaded in `merge.dtype` (fp16/bf16/fp32, never 4-bit), the adapter applied and
+merged with `merge_and_unload`, and the merged model's logits are checked against the adapter
+model's on a few prompts before anything is saved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from rich.console import Console
+
+from rlhf_cli.errors import RlhfError, StageError
+from rlhf_cli.modeling import load_tokenizer, pick_device
+from rlhf_cli.ppo.models import position_ids_from
+from rlhf_cli.ppo.rollout import left_pad, tokenize_prompts
+from rlhf_cli.recipe import ModelSection, Recipe
+from rlhf_cli.rundir import RunDir, StageRecord
+from rlhf_cli.stages.audit import audit_prompts
+from rlhf_cli.stages.ppo import load_sft_model, policy_source
+
+
+class MergeMismatch(RlhfError):
+    """The merged model does not reproduce the adapter model."""
+
+
+def merge_model_config(recipe: Recipe) -> ModelSection:
+    """The model section as merging needs it: full precision weights, no new adapter."""
+    model = recipe.model
+    return model.model_copy(update={
+        "dtype": recipe.merge.dtype,
+        "quantization": model.quantization.model_copy(update={"load_in_4bit": False}),
+        "lora": model.lora.model_copy(update={"enabled": False})})
+
+
+@torch.inference_mode()
+def _logits(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask))
+    return out.logits.float()[mask.bool()]
+
+
+def run_merge(recipe: Recipe, console: Console,
+              stage: Literal["ppo", "sft"] = "ppo") -> dict[str, Any]:
+    """Merge the PPO (or SFT) adapter; write `runs/<name>/merged/`; return its manifest."""
+    from peft import PeftModel
+
+    run = RunDir.for_recipe(recipe)
+    manifest = run.require(stage, "rlhf merge")
+    if "adapter" not in manifest["outputs"]:
+        raise StageError(f"the {stage} stage of run '{run.name}' trained all weights (no LoRA "
+                         f"adapter): its model folder is already complete, nothing to merge")
+    adapter = run.resolve_output(stage, manifest, "adapter")
+    device = pick_device(recipe.run.device)
+    model_cfg = merge_model_config(recipe)
+    base, sft_adapter, tok_source = policy_source(recipe, run, {})
+    inputs = {stage: run.input_record(stage)}
+    with StageRecord(run, "merged", recipe, inputs=inputs) as record:
+        # 1. Base in full precision (the SFT model for a PPO adapter), then the adapter.
+        with console.status(f"loading the base in {model_cfg.dtype} and the {stage} adapter"):
+            if stage == "ppo":
+                base_model = load_sft_model(model_cfg, base, sft_adapter, device)
+                tok_source = str(run.resolve_output("ppo", manifest, "tokenizer"))
+            else:
+                base_model = load_sft_model(model_cfg, recipe.model.name_or_path, None, device)
+            model = PeftModel.from_pretrained(base_model, str(adapter)).eval()
+        tokenizer = load_tokenizer(tok_source, recipe.model.trust_remote_code, "left")
+
+        # 2. Merge, and check the logits against the adapter model on a few prompts.
+        queries = tokenize_prompts(tokenizer, audit_prompts(recipe.audit)[:4],
+                                   recipe.model.prompt_format == "chat", 64)
+        ids, mask = left_pad(queries, tokenizer.pad_token_id, device)
+        before = _logits(model, ids, mask)
+        merged = model.merge_and_unload()
+        diff = float((_logits(merged, ids, mask) - before).abs().max())
+        record.manifest["metrics"] = {"max_abs_logit_diff": diff, "atol": recipe.merge.atol,
+                                      "dtype": str(next(merged.parameters()).dtype),
+                                      "parameters": sum(p.numel() for p in merged.parameters())}
+        if diff > recipe.merge.atol:
+            raise MergeMismatch(f"the merged model's logits differ from the adapter model's by "
+                                f"{diff:.3g} > merge.atol ({recipe.merge.atol}); nothing saved")
+
+        # 3. Save safetensors shards and the tokenizer in one folder (from_pretrained-ready).
+        out = record.dir / "model"
+        merged.save_pretrained(out, max_shard_size="2GB")
+        tokenizer.save_pretrained(out)
+        record.manifest["outputs"] = {"model": "model", "tokenizer": "model"}
+        record.manifest["merged_from"] = {"stage": stage, "adapter": str(adapter), "base": base}
+    console.print(f"merged {stage} adapter → {Path(out)} (max |Δlogit| {diff:.2e})")
+    return record.manifest

@@ -1,0 +1,149 @@
+"""`rlhf push`: publish the merged model (or the adapter, the guide's Option A) with a model card.
+
+The token comes from `HF_TOKEN` or the user's saved login, never from the recipe or the command
+line, and it is never written: not to logs, manifests, the card, or error messages.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from rlhf_cli.errors import RlhfError, StageError
+from rlhf_cli.recipe import Recipe
+from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes
+from rlhf_cli.tracking import read_metrics
+
+
+class PushError(RlhfError):
+    """The hub refused or could not be reached."""
+
+
+def hub_token() -> str | None:
+    from huggingface_hub import get_token
+
+    return os.environ.get("HF_TOKEN") or get_token()
+
+
+def redact(text: str, token: str | None) -> str:
+    return text.replace(token, "***") if token else text
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def model_card(recipe: Recipe, run: RunDir, adapter_only: bool) -> str:
+    """README.md of the pushed folder: what it is, how it was made, how to load it."""
+    repo = recipe.push.repo_id
+    sft, rm, ppo = (run.read_manifest(s) or {} for s in ("sft", "rm", "ppo"))
+    audit = run.read_manifest("audit") or {}
+    p = recipe.ppo
+    base = ppo.get("base_model", recipe.model.name_or_path)
+    lines = [
+        "---", "library_name: " + ("peft" if adapter_only else "transformers"),
+        "tags: [rlhf, ppo, rlhf-cli]", "---", "",
+        f"# {repo}", "",
+        f"A policy aligned with PPO from human-preference rewards by rlhf-cli (run "
+        f"`{run.name}`), starting from `{recipe.model.name_or_path}`.", "",
+        "## How it was made", "",
+        "| stage | settings | result |", "|---|---|---|",
+        f"| SFT | {'skipped (instruction-tuned base)' if not recipe.sft.enabled else f'lr {recipe.sft.learning_rate}, {recipe.sft.epochs} epochs'} | "
+        + ", ".join(f"{k} {_fmt(v)}" for k, v in sft.get("metrics", {}).items()
+                    if k.startswith("eval_loss")) + " |",
+        f"| Reward model | {recipe.reward.pretrained or recipe.reward.base_model}, template "
+        f"`{recipe.reward.template!r}`, max length {recipe.reward.max_length} | "
+        + ", ".join(f"{k} {_fmt(v)}" for k, v in rm.get("metrics", {}).items()
+                    if k in ("eval_accuracy", "eval_margin")) + " |",
+        f"| PPO | {p.iterations} iterations, batch {p.batch_size}, lr {p.learning_rate}, "
+        f"β₀ {p.init_kl_coef} ({'adaptive, target ' + str(p.target_kl) if p.adaptive_kl else 'fixed'}), "
+        f"γ {p.gamma}, λ {p.lam}, clip {p.cliprange}, vf_coef {p.vf_coef}, LoRA r "
+        f"{recipe.model.lora.r} | "
+        + ", ".join(f"{k} {_fmt(v)}" for k, v in ppo.get("metrics", {}).items()) + " |",
+        f"| Audit | verbosity > {recipe.audit.verbosity_threshold}, sycophancy > "
+        f"{recipe.audit.sycophancy_threshold}, repetition > {recipe.audit.repetition_threshold}"
+        " | " + ", ".join(f"{k} {_fmt(v)}" for k, v in audit.get("metrics", {}).items()) + " |",
+        "", "## Final PPO metrics", "",
+    ]
+    rows = read_metrics(run.stage_dir("ppo") / "metrics.jsonl")
+    if rows:
+        last = rows[-1]
+        for key in ("env/reward_mean", "objective/kl", "objective/kl_coef", "objective/entropy",
+                    "objective/clipfrac", "ppo/loss/value"):
+            if key in last and last[key] is not None:
+                lines.append(f"- `{key}`: {last[key]:.4g}")
+    lines += [
+        "", "## Intended use", "",
+        "Research and evaluation of RLHF-aligned assistants. Reward is relative to this run's "
+        "reward model and reference: check quality with an external benchmark (MT-Bench, "
+        "AlpacaEval, head-to-head win rates) before relying on it.", "",
+        "## How to load", "", "```python",
+    ]
+    if adapter_only:
+        lines += ["from peft import PeftModel", "from transformers import AutoModelForCausalLM",
+                  "", f"base = AutoModelForCausalLM.from_pretrained({base!r})",
+                  f"model = PeftModel.from_pretrained(base, {repo!r})"]
+    else:
+        lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+                  f"model = AutoModelForCausalLM.from_pretrained({repo!r})",
+                  f"tokenizer = AutoTokenizer.from_pretrained({repo!r})"]
+    return "\n".join(lines + ["```", ""])
+
+
+def push_folder(recipe: Recipe, run: RunDir, adapter_only: bool) -> Path:
+    if adapter_only:
+        manifest = run.require("ppo", "rlhf push --adapter-only")
+        return run.resolve_output("ppo", manifest, "adapter")
+    manifest = run.require("merged", "rlhf push")
+    return run.resolve_output("merged", manifest, "model")
+
+
+def run_push(recipe: Recipe, console: Console, adapter_only: bool = False,
+             dry_run: bool = False) -> dict[str, Any]:
+    """Write the model card, then upload the folder (unless `dry_run`); return what was sent."""
+    run = RunDir.for_recipe(recipe)
+    repo_id = recipe.push.repo_id
+    if not repo_id:
+        raise StageError("push.repo_id is not set in the recipe (e.g. your-username/my-model)")
+    folder = push_folder(recipe, run, adapter_only)
+    atomic_write_bytes(folder / "README.md", model_card(recipe, run, adapter_only).encode())
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    result: dict[str, Any] = {"repo_id": repo_id, "folder": str(folder), "files": files,
+                              "bytes": sum((folder / f).stat().st_size for f in files),
+                              "commit_message": recipe.push.commit_message,
+                              "private": recipe.push.private, "dry_run": dry_run}
+    if dry_run:
+        console.print(f"dry run: would upload {len(files)} files ({result['bytes'] / 1e6:.1f} MB)"
+                      f" from {folder} to {repo_id}")
+        return result
+    token = hub_token()
+    if not token:
+        raise PushError("no Hugging Face token: set HF_TOKEN or log in with `hf auth login`")
+    inputs = {"merged" if not adapter_only else "ppo":
+              run.input_record("ppo" if adapter_only else "merged")}
+    with StageRecord(run, "push", recipe, inputs=inputs) as record:
+        url = upload(folder, repo_id, recipe.push.private, recipe.push.commit_message, token,
+                     console)
+        record.manifest["outputs"] = {"repo": url}
+        record.manifest["metrics"] = {"files": len(files), "bytes": result["bytes"]}
+    return {**result, "url": url}
+
+
+def upload(folder: Path, repo_id: str, private: bool, message: str, token: str,
+           console: Console) -> str:
+    """create_repo (if needed) + upload_folder; hub errors become one redacted line."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    try:
+        with console.status(f"uploading {folder} to {repo_id}"):
+            api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+            commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id,
+                                       repo_type="model", commit_message=message)
+    except Exception as exc:  # HTTP errors, refused connections, timeouts: all mean "not sent"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PushError(f"push to {repo_id} failed: {redact(first, token)}") from None
+    return str(getattr(commit, "commit_url", None) or repo_id)

@@ -1,0 +1,81 @@
+"""`rlhf report`: a run's metrics.jsonl as pictures (PNG + an HTML page with the summaries).
+
+The guide's healthy ranges (Part 9) are shaded; in-training audits are marked.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from rlhf_cli.errors import StageError
+from rlhf_cli.rundir import RunDir, atomic_write_bytes
+from rlhf_cli.tracking import read_metrics
+
+# (title, metric keys, healthy band or None)
+PANELS = [
+    ("Reward (env/reward_mean)", ["env/reward_mean"], None),
+    ("KL to reference (nats)", ["objective/kl"], (0.0, 15.0)),
+    ("KL coefficient β", ["objective/kl_coef"], None),
+    ("Policy and value loss", ["ppo/loss/policy", "ppo/loss/value"], None),
+    ("Entropy (per token)", ["objective/entropy"], (3.0, None)),
+    ("Clip fraction", ["objective/clipfrac"], (0.10, 0.35)),
+    ("Response length (tokens)", ["response/length_mean"], None),
+]
+
+
+def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["iteration"] for r in rows]
+    audits = [r["iteration"] for r in rows if "audit/verbosity_score" in r]
+    fig, axes = plt.subplots(4, 2, figsize=(12, 13))
+    for ax, (name, keys, band) in zip(axes.flat, PANELS, strict=False):
+        for key in keys:
+            ax.plot(steps, [r.get(key) for r in rows], label=key, linewidth=1.4)
+        if band is not None:
+            top = band[1] if band[1] is not None else ax.get_ylim()[1]
+            ax.axhspan(band[0], top, color="tab:green", alpha=0.12, label="healthy (guide)")
+        for step in audits:
+            ax.axvline(step, color="tab:red", linestyle=":", linewidth=1)
+        ax.set_title(name)
+        ax.set_xlabel("iteration")
+        ax.legend(fontsize=7)
+    axes.flat[-1].axis("off")
+    if audits:
+        axes.flat[-1].text(0.0, 0.5, "red dotted lines: in-training audits", fontsize=9)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def run_report(run: RunDir) -> dict[str, str]:
+    """Write `ppo/report.png` and `ppo/report.html`; return their paths."""
+    stage_dir = run.stage_dir("ppo")
+    rows = read_metrics(stage_dir / "metrics.jsonl")
+    if not rows:
+        raise StageError(f"run '{run.name}' has no PPO metrics ({stage_dir / 'metrics.jsonl'}): "
+                         "run `rlhf ppo` first")
+    png = stage_dir / "report.png"
+    plot_metrics(rows, png, f"rlhf-cli · run {run.name} · {len(rows)} iterations")
+    sections = []
+    for stage in ("sft", "rm", "ppo", "audit", "merged"):
+        manifest = run.read_manifest(stage)
+        if manifest:
+            summary = {"status": manifest["status"], **manifest.get("metrics", {})}
+            sections.append(f"<h2>{stage}</h2><pre>{html.escape(json.dumps(summary, indent=2))}"
+                            "</pre>")
+    image = base64.b64encode(png.read_bytes()).decode()
+    page = (f"<!doctype html><meta charset='utf-8'><title>rlhf report: {html.escape(run.name)}"
+            f"</title><h1>Run {html.escape(run.name)}</h1>"
+            f"<img alt='PPO curves' src='data:image/png;base64,{image}'>" + "".join(sections))
+    out = stage_dir / "report.html"
+    atomic_write_bytes(out, page.encode())
+    return {"png": str(png), "html": str(out)}
