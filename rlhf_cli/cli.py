@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from rlhf_cli.errors import RecipeError, RlhfError
@@ -45,10 +46,10 @@ def _exit_on_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except RecipeError as exc:
             for line in exc.problems:
-                err.print(f"[red]error:[/] {line}", markup=True, soft_wrap=True)
+                err.print(f"[red]error:[/] {escape(line)}", soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except RlhfError as exc:
-            err.print(f"[red]error:[/] {exc}", soft_wrap=True)
+            err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err.print("[yellow]interrupted[/]: progress saved; the manifest says 'interrupted'")

@@ -29,6 +29,9 @@ def load_rows(source: DataSource, cache_dir: str | Path | None = None) -> list[d
 
     datasets.disable_progress_bars()
     path = Path(source.path)
+    # `datasets` reports an empty file as a bare "StopIteration"; only small files are read here.
+    if path.is_file() and path.stat().st_size < 4096 and not path.read_bytes().strip():
+        raise DataError(f"dataset '{source.path}' is empty")
     try:
         if path.suffix in FORMATS and path.exists():
             ds = datasets.load_dataset(FORMATS[path.suffix], data_files=str(path), split="train",

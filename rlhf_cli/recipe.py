@@ -14,8 +14,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
-from pydantic import model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from rlhf_cli.errors import RecipeError
 
@@ -349,9 +356,14 @@ def _yaml_line(root: yaml.Node | None, loc: tuple[str | int, ...]) -> int | None
 
 
 def _format_errors(err: ValidationError, source: str, root: yaml.Node | None) -> list[str]:
-    problems = []
+    problems: list[str] = []
+    seen: dict[str, int] = {}
     for e in err.errors():
-        loc = tuple(p for p in e["loc"] if p not in ("function-after",))
+        # Union members appear in `loc` as type tags such as `list[str]` or `literal['x']`; they
+        # are not fields, so they stay out of the dotted path (an unknown key, last, stays in).
+        unknown_key = len(e["loc"]) - 1 if e["type"] == "extra_forbidden" else None
+        loc = tuple(p for i, p in enumerate(e["loc"])
+                    if isinstance(p, int) or "[" not in p or i == unknown_key)
         msg = e["msg"].removeprefix("Value error, ")
         named = re.match(r"^(\w+): (.*)$", msg, re.S)
         if named and e["type"] == "value_error":
@@ -361,6 +373,10 @@ def _format_errors(err: ValidationError, source: str, root: yaml.Node | None) ->
         dotted = ".".join(str(p) for p in loc) or "(top level)"
         line = _yaml_line(root, loc)
         where = f"{source}:{line}" if line else source
+        if dotted in seen:  # one line per field: the alternatives of a union are joined
+            problems[seen[dotted]] += f", or {msg[0].lower()}{msg[1:]}"
+            continue
+        seen[dotted] = len(problems)
         problems.append(f"{where}: {dotted}: {msg}")
     return problems
 

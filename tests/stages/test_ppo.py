@@ -212,3 +212,48 @@ def test_two_processes_log_one_line_per_iteration(pipeline, tmp_path, small_reci
     rows = read_metrics(run.stage_dir("ppo") / "metrics.jsonl")
     assert [r["iteration"] for r in rows] == [1, 2, 3]
     assert json.loads(run.manifest_path("ppo").read_text())["metrics"]["iterations"] == 3
+
+
+def test_separate_critic_from_the_policy_and_4bit_policy(pipeline, tmp_path, small_recipe):
+    from rlhf_cli.stages.ppo import run_ppo
+
+    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {
+        **PPO_SMALL, "iterations": 2, "value_model": "separate", "value_init": "policy"})
+    recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={
+        "quantization": recipe.model.quantization.model_copy(
+            update={"load_in_4bit": True, "compute_dtype": "float32"})})})
+    manifest = run_ppo(recipe, QUIET)
+    assert manifest["status"] == "completed"
+    rows = read_metrics(RunDir.for_recipe(recipe).stage_dir("ppo") / "metrics.jsonl")
+    assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["ppo/loss/value"])) for r in rows)
+
+
+def test_critic_from_a_reward_model_with_another_tokenizer_is_refused(pipeline, tmp_path,
+                                                                      small_recipe):
+    from rlhf_cli.errors import ModelLoadError
+    from rlhf_cli.stages.ppo import run_ppo
+
+    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {
+        **PPO_SMALL, "value_model": "separate", "value_init": "reward_model"})
+    with pytest.raises(ModelLoadError, match="shares the policy's tokenizer"):
+        run_ppo(recipe, QUIET)
+
+
+def test_critic_initialised_from_a_same_tokenizer_reward_model(tmp_path, small_recipe):
+    """A reward model on the tiny LM itself shares the policy's tokenizer: the critic's head
+    starts as the reward head, so its first values are the reward model's per-token scores."""
+    from rlhf_cli.stages.ppo import run_ppo
+    from rlhf_cli.stages.reward import run_train_rm
+    from rlhf_cli.stages.sft import run_sft
+
+    recipe = load_recipe(small_recipe(tmp_path, {
+        "sft": {"epochs": 1}, "data": {"preferences": {"max_samples": 60}},
+        "reward": {"base_model": "builtin:tiny-lm", "learning_rate": 1e-3},
+        "ppo": {**PPO_SMALL, "iterations": 1, "value_model": "separate",
+                "value_init": "reward_model"}}))
+    run_sft(recipe, QUIET)
+    run_train_rm(recipe, QUIET)
+    manifest = run_ppo(recipe, QUIET)
+    rows = read_metrics(RunDir.for_recipe(recipe).stage_dir("ppo") / "metrics.jsonl")
+    assert manifest["status"] == "completed" and rows
+    assert rows[0]["ppo/val/mean"] != 0.0  # not a zero head: it starts from the reward head

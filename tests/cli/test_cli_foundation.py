@@ -1,0 +1,84 @@
+"""The `rlhf` command: exit codes and messages of validate, sft and train-rm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rlhf_cli.cli import app
+from rlhf_cli.recipe import load_recipe
+from rlhf_cli.rundir import RunDir
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_help_lists_the_stages() -> None:
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("validate", "sft", "train-rm", "ppo", "audit", "merge", "push"):
+        assert command in result.output
+
+
+def test_validate_without_recipe_uses_the_latest_run(make_recipe, tmp_path: Path) -> None:
+    recipe = load_recipe(make_recipe({"run": {"name": "picked"}}))
+    RunDir.for_recipe(recipe).prepare(recipe)
+    result = invoke("validate", "--json", "--runs-dir", str(tmp_path / "runs"))
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["run"]["name"] == "picked"
+
+
+def test_validate_without_recipe_or_runs_uses_the_embedded_default(tmp_path: Path) -> None:
+    result = invoke("validate", "--json", "--runs-dir", str(tmp_path / "none"))
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["model"]["name_or_path"] == "builtin:tiny-lm"
+
+
+def test_stage_with_a_bad_recipe_exits_2(make_recipe) -> None:
+    path = make_recipe({"sft": {"learning_rate": -1}})
+    result = invoke("sft", "--recipe", str(path))
+    assert result.exit_code == 2
+    assert f"{path}:" in result.output and "sft.learning_rate: " in result.output
+    assert "Traceback" not in result.output
+
+
+def test_sft_disabled_exits_2_with_one_line(make_recipe) -> None:
+    result = invoke("sft", "--recipe", str(make_recipe({"sft": {"enabled": False}})))
+    assert result.exit_code == 2
+    assert "error: sft.enabled is false" in result.output
+
+
+def test_train_rm_with_pretrained_reward_exits_2(make_recipe) -> None:
+    path = make_recipe({"reward": {"base_model": None, "pretrained": "builtin:minilm"}})
+    result = invoke("train-rm", "--recipe", str(path))
+    assert result.exit_code == 2
+    assert "reward.pretrained is set" in result.output
+
+
+@pytest.mark.slow
+def test_sft_json_prints_the_manifest(make_recipe, tmp_path: Path) -> None:
+    path = make_recipe({"sft": {"epochs": 1}, "data": {"sft": {"max_samples": 80}}})
+    result = invoke("sft", "--recipe", str(path), "--json")
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(result.stdout)
+    assert manifest["status"] == "completed" and manifest["stage"] == "sft"
+    assert manifest["dir"] == str(tmp_path / "runs" / "tiny" / "sft")
+    on_disk = json.loads((tmp_path / "runs" / "tiny" / "sft" / "manifest.json").read_text())
+    assert {k: v for k, v in manifest.items() if k != "dir"} == on_disk
+
+
+@pytest.mark.slow
+def test_train_rm_runs_without_sft(make_recipe, tmp_path: Path) -> None:
+    path = make_recipe({"data": {"preferences": {"max_samples": 40}}})
+    result = invoke("train-rm", "--recipe", str(path), "--quiet")
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "runs" / "tiny"
+    assert not (run / "sft").exists()
+    manifest = json.loads((run / "rm" / "manifest.json").read_text())
+    assert manifest["status"] == "completed"
+    assert (run / "rm" / "model" / "config.json").is_file()
+    assert (tmp_path / "runs" / "LATEST").read_text().strip() == "tiny"

@@ -1,0 +1,214 @@
+"""The run directory contract: manifests, LATEST, `require`, atomic writes, StageRecord status."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from rlhf_cli import rundir
+from rlhf_cli.errors import StageError
+from rlhf_cli.recipe import Recipe, parse_recipe
+from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json, file_sha256
+
+MANIFEST_KEYS = {"stage", "status", "run", "started_at", "finished_at", "recipe_sha256", "inputs",
+                 "outputs", "metrics", "warnings", "versions"}
+
+
+@pytest.fixture
+def recipe(tmp_path: Path) -> Recipe:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "one two three four five six"}\n')
+    text = f"""\
+run: {{name: demo, output_dir: {tmp_path / "runs"}}}
+model: {{name_or_path: builtin:tiny-lm}}
+sft: {{enabled: false}}
+reward: {{pretrained: builtin:minilm}}
+data: {{prompts: {{path: {prompts}}}}}
+"""
+    return parse_recipe(text, base_dir=tmp_path)
+
+
+@pytest.fixture
+def run(recipe: Recipe) -> RunDir:
+    return RunDir.for_recipe(recipe)
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+
+
+def test_paths_follow_the_layout(run: RunDir, tmp_path: Path) -> None:
+    assert run.path == tmp_path / "runs" / "demo"
+    assert run.manifest_path("sft") == tmp_path / "runs" / "demo" / "sft" / "manifest.json"
+    assert run.recipe_path() == tmp_path / "runs" / "demo" / "recipe.yaml"
+
+
+def test_prepare_snapshots_recipe_and_points_latest(run: RunDir, recipe: Recipe,
+                                                    tmp_path: Path) -> None:
+    assert RunDir.latest(tmp_path / "runs") is None
+    run.prepare(recipe)
+    assert (tmp_path / "runs" / "LATEST").read_text() == "demo\n"
+    snapshot = parse_recipe(run.recipe_path().read_text(), base_dir=tmp_path)
+    assert snapshot.sha256() == recipe.sha256()
+    latest = RunDir.latest(tmp_path / "runs")
+    assert latest is not None and latest.name == "demo" and latest.path == run.path
+
+
+def test_latest_follows_the_last_prepared_run(recipe: Recipe, tmp_path: Path) -> None:
+    RunDir(tmp_path / "runs", "first").prepare(recipe)
+    RunDir(tmp_path / "runs", "second").prepare(recipe)
+    assert RunDir.latest(tmp_path / "runs").name == "second"
+
+
+def test_latest_ignores_a_pointer_to_a_missing_run(tmp_path: Path) -> None:
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "LATEST").write_text("gone\n")
+    assert RunDir.latest(tmp_path / "runs") is None
+
+
+def test_completed_manifest_has_every_field(run: RunDir, recipe: Recipe) -> None:
+    with StageRecord(run, "sft", recipe, inputs={}) as record:
+        on_disk = run.read_manifest("sft")
+        assert on_disk["status"] == "running" and on_disk["finished_at"] is None
+        record.manifest["outputs"] = {"adapter": "adapter"}
+        record.manifest["metrics"] = {"eval_loss": 1.5}
+        record.warn("w")
+        record.warn("w")  # recorded once
+    manifest = json.loads(run.manifest_path("sft").read_text())
+    assert MANIFEST_KEYS <= set(manifest)
+    assert manifest["stage"] == "sft" and manifest["status"] == "completed"
+    assert manifest["recipe_sha256"] == recipe.sha256()
+    assert manifest["outputs"] == {"adapter": "adapter"}
+    assert manifest["metrics"] == {"eval_loss": 1.5}
+    assert manifest["warnings"] == ["w"]
+    assert {"python", "torch", "transformers", "trl", "peft", "accelerate",
+            "rlhf-cli"} <= set(manifest["versions"])
+    started = dt.datetime.fromisoformat(manifest["started_at"])
+    finished = dt.datetime.fromisoformat(manifest["finished_at"])
+    assert started.tzinfo is not None and started <= finished
+    assert leftovers(run.stage_dir("sft")) == []
+
+
+def test_failed_stage_records_the_error(run: RunDir, recipe: Recipe) -> None:
+    with pytest.raises(ValueError), StageRecord(run, "rm", recipe, inputs={}):
+        raise ValueError("bad thing\nsecond line")
+    manifest = run.read_manifest("rm")
+    assert manifest["status"] == "failed"
+    assert manifest["error"] == "ValueError: bad thing"
+    assert manifest["finished_at"] is not None
+
+
+def test_keyboard_interrupt_marks_interrupted(run: RunDir, recipe: Recipe) -> None:
+    with pytest.raises(KeyboardInterrupt), StageRecord(run, "ppo", recipe, inputs={}):
+        raise KeyboardInterrupt
+    manifest = run.read_manifest("ppo")
+    assert manifest["status"] == "interrupted"
+    assert "error" not in manifest
+
+
+def test_write_false_leaves_no_manifest(run: RunDir, recipe: Recipe) -> None:
+    with StageRecord(run, "sft", recipe, inputs={}, write=False):
+        pass
+    assert run.read_manifest("sft") is None
+
+
+# ── require ─────────────────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize(("stage", "command"), [("sft", "rlhf sft"), ("rm", "rlhf train-rm")])
+def test_require_missing_stage_names_the_command(run: RunDir, stage: str, command: str) -> None:
+    with pytest.raises(StageError) as info:
+        run.require(stage, needed_by="rlhf ppo")
+    message = str(info.value)
+    assert f"run `{command}` first" in message
+    assert "missing" in message and "'demo'" in message
+
+
+@pytest.mark.parametrize("status", ["running", "failed", "interrupted"])
+def test_require_not_completed_stage(run: RunDir, recipe: Recipe, status: str) -> None:
+    with StageRecord(run, "rm", recipe, inputs={}) as record:
+        pass
+    record.manifest["status"] = status
+    record.save()
+    with pytest.raises(StageError) as info:
+        run.require("rm", needed_by="rlhf ppo")
+    assert f"status is '{status}'" in str(info.value)
+    assert "`rlhf train-rm`" in str(info.value)
+
+
+def test_require_completed_returns_manifest_and_input_record(run: RunDir, recipe: Recipe) -> None:
+    with StageRecord(run, "sft", recipe, inputs={}) as record:
+        record.manifest["outputs"] = {"adapter": "adapter"}
+    manifest = run.require("sft", needed_by="rlhf ppo")
+    assert manifest["status"] == "completed"
+    assert run.resolve_output("sft", manifest, "adapter") == run.stage_dir("sft") / "adapter"
+    with pytest.raises(StageError, match="lists no output 'model'.*rlhf sft"):
+        run.resolve_output("sft", manifest, "model")
+    record_in = run.input_record("sft")
+    assert record_in["path"] == str(run.stage_dir("sft"))
+    assert record_in["manifest_sha256"] == file_sha256(run.manifest_path("sft"))
+
+
+def test_file_sha256_matches_known_digest(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"abc")
+    assert file_sha256(path) == ("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad")
+
+
+# ── atomic writes ───────────────────────────────────────────────────────────────────────────
+
+
+def test_atomic_write_replaces_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "m.json"
+    atomic_write_json(path, {"v": 1})
+    atomic_write_json(path, {"v": 2})
+    assert json.loads(path.read_text()) == {"v": 2}
+    assert leftovers(tmp_path) == []
+
+
+def test_failed_rename_keeps_old_file_and_no_temp(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "m.json"
+    atomic_write_json(path, {"v": 1})
+
+    def broken_replace(src: str, dst: str) -> None:
+        assert Path(src).exists()  # the new content was written, to a temp file
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(rundir.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk gone"):
+        atomic_write_json(path, {"v": 2})
+    monkeypatch.undo()
+    assert json.loads(path.read_text()) == {"v": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
+
+
+def test_failed_write_midway_keeps_old_file_and_no_temp(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "m.json"
+    atomic_write_json(path, {"v": 1})
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError("fsync failed")
+
+    monkeypatch.setattr(rundir.os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="fsync failed"):
+        atomic_write_json(path, {"v": 2})
+    monkeypatch.undo()
+    assert json.loads(path.read_text()) == {"v": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
+
+
+def test_unserialisable_manifest_keeps_the_old_one(run: RunDir, recipe: Recipe) -> None:
+    with StageRecord(run, "sft", recipe, inputs={}) as record:
+        record.manifest["metrics"] = {"eval_loss": 1.0}
+    before = run.manifest_path("sft").read_bytes()
+    record.manifest["metrics"] = {"bad": object()}
+    with pytest.raises(TypeError):
+        record.save()
+    assert run.manifest_path("sft").read_bytes() == before
+    assert sorted(os.listdir(run.stage_dir("sft"))) == ["manifest.json"]
