@@ -42,6 +42,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+bench: $(STAMP)
+	$(PY) bench/bench_ppo.py --out bench/ppo.json
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check rlhf_cli tests scripts bench
 

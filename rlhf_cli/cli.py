@@ -31,7 +31,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 F = TypeVar("F", bound=Callable[..., Any])
 
 RecipeOpt = Annotated[Path | None, typer.Option(
-    "--recipe", "-r", help="Recipe YAML. Default: the latest run's recipe, else recipes/tiny.yaml.")]
+    "--recipe", "-r",
+    help="Recipe YAML. Default: the latest run's recipe, else recipes/tiny.yaml.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary output.")]
 RunsOpt = Annotated[Path, typer.Option("--runs-dir", envvar="RLHF_RUNS_DIR",

@@ -65,7 +65,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False,
                                  padding_side=padding_side)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ModelLoadError(f"tokenizer of '{name_or_path}' has neither a pad nor an EOS token")
+            raise ModelLoadError(f"tokenizer of '{name_or_path}' has neither a pad nor an EOS "
+                                 "token")
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = padding_side
     if tokenizer.padding_side != padding_side:

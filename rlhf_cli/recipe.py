@@ -117,7 +117,8 @@ class ModelSection(Section):
     trust_remote_code: bool = _f(False, "Run modelling code shipped with the checkpoint.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
         "auto", "Weights dtype: `auto` is bfloat16 on CUDA and float32 on the CPU.")
-    device_map: str | None = _f(None, "transformers `device_map` (e.g. `auto`); default: one device.")
+    device_map: str | None = _f(None,
+                                "transformers `device_map` (e.g. `auto`); default: one device.")
     prompt_format: Literal["chat", "plain"] = _f(
         "chat", "`chat` wraps prompts with the tokenizer's chat template; `plain` uses them as is.")
     quantization: QuantizationSection = _f(QuantizationSection(), "4-bit loading.")
@@ -142,7 +143,8 @@ class DataSource(Section):
 
 
 class PromptSource(DataSource):
-    min_words: int = _f(6, "Drop prompts with fewer words (the guide drops 5 words or fewer).", ge=0)
+    min_words: int = _f(6, "Drop prompts with fewer words (the guide drops 5 words or fewer).",
+                        ge=0)
     max_chars: int = _f(512, "Truncate prompt text to this many characters.", gt=0)
     max_tokens: int = _f(256, "Truncate tokenised prompts to this many tokens (keeping the end).",
                          gt=0)
@@ -182,8 +184,8 @@ class RewardSection(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "Reward model dtype.")
     template: str = _f("Human: {prompt}\n\nAssistant: {response}",
                        "How (prompt, response) becomes the reward model's input text.")
-    max_length: int = _f(512, "Reward tokenizer max length; longer texts are truncated and counted.",
-                         gt=0)
+    max_length: int = _f(512, "Reward tokenizer max length; longer texts are truncated and "
+                         "counted.", gt=0)
     learning_rate: float = _f(5e-5, "AdamW learning rate for reward training.", gt=0.0)
     epochs: float = _f(1.0, "Passes over the preference pairs.", gt=0.0)
     batch_size: int = _f(8, "Pairs per device batch.", gt=0)
@@ -214,7 +216,8 @@ class RewardSection(Section):
 
 class GenerationSection(Section):
     max_new_tokens: int = _f(200, "Longest response in tokens.", gt=0)
-    temperature: float = _f(0.8, "Sampling temperature; the PPO log-probs use the same one.", gt=0.0)
+    temperature: float = _f(0.8, "Sampling temperature; the PPO log-probs use the same one.",
+                            gt=0.0)
     top_p: float = _f(0.9, "Nucleus sampling mass.", gt=0.0, le=1.0)
     top_k: int = _f(0, "Top-k sampling (0: off).", ge=0)
     do_sample: bool = _f(True, "Sample (True) or decode greedily.")
@@ -247,6 +250,10 @@ class PpoSection(Section):
         "shared", "Value head on the policy's backbone, or a separate critic model.")
     value_init: Literal["policy", "reward_model"] = _f(
         "policy", "Separate critic initialised from the policy or from the reward model.")
+    max_nonfinite: int = _f(3, "Stop (with a checkpoint) after this many iterations in a row "
+                            "with non-finite rewards or losses.", gt=0)
+    allow_prompt_overlap: bool = _f(False, "Silence the warning about PPO prompts that were in "
+                                    "the reward model's training pairs.")
     save_freq: int = _f(50, "Checkpoint every N iterations (and at the end).", gt=0)
     log_every: int = _f(25, "Console health block and samples.jsonl every N iterations.", gt=0)
     generation: GenerationSection = _f(GenerationSection(), "Rollout generation settings.")
@@ -316,7 +323,8 @@ class Recipe(Section):
         if self.sft.enabled and self.data.sft is None:
             raise ValueError("data: sft.enabled is true but data.sft is not set")
         if self.reward.base_model is not None and self.data.preferences is None:
-            raise ValueError("data: reward.base_model is set (train-rm) but data.preferences is not")
+            raise ValueError("data: reward.base_model is set (train-rm) but data.preferences is "
+                             "not")
         if self.data.prompts is None:
             raise ValueError("data: data.prompts is required for PPO")
         return self

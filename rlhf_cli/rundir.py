@@ -115,6 +115,29 @@ class RunDir:
         atomic_write_bytes(self.recipe_path(), recipe.to_yaml().encode())
         atomic_write_bytes(self.output_dir / "LATEST", (self.name + "\n").encode())
 
+    def acquire(self, command: str) -> Path:
+        """Take the run's lock file (`.lock`, holding the holder's pid), or raise StageError
+        naming the holder. A lock left by a dead process is taken over."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock = self.path / ".lock"
+        for _ in range(3):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = _lock_holder(lock)
+                if holder is not None:
+                    raise StageError(f"run '{self.name}' is busy: pid {holder['pid']} "
+                                     f"({holder.get('command', '?')}, since "
+                                     f"{holder.get('since', '?')}) holds {lock}; wait for it "
+                                     "to finish or stop it") from None
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lock)  # stale: its process is gone
+                continue
+            with os.fdopen(fd, "w") as handle:
+                json.dump({"pid": os.getpid(), "command": command, "since": now_iso()}, handle)
+            return lock
+        raise StageError(f"run '{self.name}': could not take {lock}")
+
     def read_manifest(self, stage: str) -> dict[str, Any] | None:
         path = self.manifest_path(stage)
         if not path.is_file():
@@ -147,17 +170,36 @@ class RunDir:
                              f"'{name}': run `{STAGE_COMMANDS[stage]}` again") from None
 
 
+def _lock_holder(lock: Path) -> dict[str, Any] | None:
+    """The live holder of a lock file, or None when the lock is stale."""
+    try:
+        holder = json.loads(lock.read_text())
+        pid = int(holder["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable or half-written: treat as stale
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, owned by another user
+    return holder
+
+
 class StageRecord:
     """Context manager that keeps a stage's manifest true while it runs.
 
-    Enter: status `running`. Normal exit: `completed`. KeyboardInterrupt: `interrupted`.
-    Any other exception: `failed` with the error's one-line summary. Each write is atomic.
+    Enter: take the run's lock, snapshot the recipe, point LATEST here, status `running`.
+    Normal exit: `completed`. KeyboardInterrupt: `interrupted`. Any other exception: `failed`
+    with the error's one-line summary. Each write is atomic; the lock is released on exit.
+    Only the process that writes (the main one under several processes) takes the lock.
     """
 
     def __init__(self, run: RunDir, stage: str, recipe: Recipe, inputs: dict[str, Any],
                  write: bool = True):
-        self.run, self.stage, self.write = run, stage, write
+        self.run, self.stage, self.write, self.recipe = run, stage, write, recipe
         self.dir = run.stage_dir(stage)
+        self._lock: Path | None = None
         self.manifest: dict[str, Any] = {
             "stage": stage,
             "status": "running",
@@ -181,6 +223,9 @@ class StageRecord:
             self.manifest["warnings"].append(message)
 
     def __enter__(self) -> StageRecord:
+        if self.write:
+            self._lock = self.run.acquire(STAGE_COMMANDS.get(self.stage, self.stage))
+            self.run.prepare(self.recipe)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.save()
         return self
@@ -193,6 +238,12 @@ class StageRecord:
             self.manifest["status"] = "interrupted"
         else:
             self.manifest["status"] = "failed"
-            self.manifest["error"] = f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            self.manifest["error"] = f"{exc_type.__name__}: {first}"
         self.manifest["finished_at"] = now_iso()
-        self.save()
+        try:
+            self.save()
+        finally:
+            if self._lock is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._lock)

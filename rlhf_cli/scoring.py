@@ -21,7 +21,8 @@ class RewardScorer:
     batch_size: int = 16
 
     def texts(self, prompts: list[str], responses: list[str]) -> list[str]:
-        return [self.template.format(prompt=p, response=r) for p, r in zip(prompts, responses)]
+        return [self.template.format(prompt=p, response=r) for p, r in zip(prompts, responses,
+                                                                              strict=True)]
 
     def encode(self, texts: list[str]) -> tuple[list[list[int]], int]:
         """Token ids truncated to `max_length`, and how many texts were truncated."""

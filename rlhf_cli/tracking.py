@@ -9,8 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.progress import TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from rlhf_cli.errors import RlhfError
 
 
 def make_console(quiet: bool = False, json_mode: bool = False) -> Console:
@@ -43,15 +51,20 @@ class MetricsWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = open(path, "a" if resume else "w", encoding="utf-8")
         for tracker in trackers or []:
-            if tracker == "tensorboard":
-                from torch.utils.tensorboard import SummaryWriter
+            try:
+                if tracker == "tensorboard":
+                    from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(path.parent / "tensorboard"))
-            elif tracker == "wandb":
-                import wandb
+                    self._tb = SummaryWriter(str(path.parent / "tensorboard"))
+                elif tracker == "wandb":
+                    import wandb
 
-                self._wandb = wandb.init(project="rlhf-cli", name=path.parent.parent.name,
-                                         resume="allow")
+                    self._wandb = wandb.init(project="rlhf-cli", name=path.parent.parent.name,
+                                             resume="allow")
+            except ImportError:
+                package = "tensorboard" if tracker == "tensorboard" else "wandb"
+                raise RlhfError(f"run.trackers lists {tracker} but the {package} package is not "
+                                f"installed: pip install {package}") from None
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:

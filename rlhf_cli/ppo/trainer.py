@@ -6,6 +6,7 @@ Reads top to bottom like CleanRL's ppo.py; the maths lives in core.py.
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from collections import defaultdict
@@ -27,6 +28,10 @@ from rlhf_cli.ppo.rollout import Rollout, collect_rollout, response_logprobs, sc
 from rlhf_cli.recipe import PpoSection
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.tracking import MetricsWriter, make_progress
+
+
+class CheckpointWriteError(RlhfError):
+    """A checkpoint could not be written (e.g. the disk is full)."""
 
 
 class NonFiniteError(RlhfError):
@@ -216,10 +221,18 @@ def checkpoint(ctx: PPOContext, iteration: int) -> Path | None:
     path = None
     if ctx.accelerator.is_main_process:
         actor = ctx.unwrapped
-        path = save_checkpoint(ctx.stage_dir / "checkpoints", iteration, policy=actor.policy,
-                               value_state=actor.value_state_dict(), optimizer=ctx.optimizer,
-                               scheduler=ctx.scheduler, kl_ctl=ctx.kl_ctl, sampler=ctx.sampler,
-                               extra={"health_seen": sorted(ctx.health.seen)})
+        try:
+            path = save_checkpoint(ctx.stage_dir / "checkpoints", iteration,
+                                   policy=actor.policy, value_state=actor.value_state_dict(),
+                                   optimizer=ctx.optimizer, scheduler=ctx.scheduler,
+                                   kl_ctl=ctx.kl_ctl, sampler=ctx.sampler,
+                                   extra={"health_seen": sorted(ctx.health.seen)})
+        except OSError as exc:
+            previous = sorted(p.name for p in (ctx.stage_dir / "checkpoints").glob("iter_*"))
+            raise CheckpointWriteError(
+                f"writing checkpoint iter_{iteration:05d} failed ({exc.strerror or exc}); "
+                f"the previous checkpoint ({previous[-1] if previous else 'none'}) and the "
+                "manifest are intact: free space, then `rlhf ppo --resume`") from None
     ctx.accelerator.wait_for_everyone()
     return path
 
@@ -268,7 +281,8 @@ def train(ctx: PPOContext, start_iteration: int = 0) -> dict[str, Any]:
             update_s = time.perf_counter() - t_update
             # 4. β moves once per iteration, toward the target KL.
             metrics = iteration_metrics(ctx, rollout, kl, rewards, returns, kl_coef, stats)
-            ctx.kl_ctl.update(metrics["objective/kl"], cfg.batch_size)
+            if math.isfinite(metrics["objective/kl"]):
+                ctx.kl_ctl.update(metrics["objective/kl"], cfg.batch_size)
             nonfinite_streak = nonfinite_streak + 1 if not _finite(metrics) else 0
             # 5. Log, check health, checkpoint.
             iteration_s = time.perf_counter() - t0

@@ -162,8 +162,6 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     inputs: dict[str, Any] = {}
     base, sft_adapter, tok_source = policy_source(recipe, run, inputs)
     reward_path, reward_tok = reward_source(recipe, run, inputs)
-    if is_main:
-        run.prepare(recipe)
     seed_everything(recipe.run.seed + accelerator.process_index)
     stage_dir = run.stage_dir("ppo")
     with StageRecord(run, "ppo", recipe, inputs=inputs, write=is_main) as record:
@@ -173,10 +171,11 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
         if cfg.ppo_epochs > 4:
             record.warn(f"ppo.ppo_epochs is {cfg.ppo_epochs}: beyond 4 the rollout goes "
                         "off-policy (the guide keeps K <= 4; K = 2 is safer)")
-        overlap = prompt_overlap(run, prompts)
+        overlap = 0 if cfg.allow_prompt_overlap else prompt_overlap(run, prompts)
         if overlap:
             record.warn(f"{overlap} of {len(prompts)} PPO prompts were in the reward model's "
-                        "training pairs: it overestimates scores there; use separate prompts")
+                        "training pairs: it overestimates scores there; use separate prompts "
+                        "(ppo.allow_prompt_overlap: true silences this)")
 
         # 2. Models: actor (policy + value), reference, frozen reward model.
         reward_tokenizer = load_tokenizer(reward_tok, recipe.reward.trust_remote_code, "right")
@@ -217,7 +216,8 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
                          stage_dir=stage_dir, writer=writer, samples=samples, console=console,
                          health=HealthMonitor(seen), on_warning=record.warn,
                          audit=_live_audit(recipe, chat), audit_every=recipe.audit.every,
-                         audit_kl_step=recipe.audit.kl_coef_step)
+                         audit_kl_step=recipe.audit.kl_coef_step,
+                         max_nonfinite=cfg.max_nonfinite)
         ctx.history = [r for r in read_metrics(stage_dir / "metrics.jsonl")
                        if r.get("iteration", 0) <= start] if start else []
         try:

@@ -43,6 +43,9 @@ def model_card(recipe: Recipe, run: RunDir, adapter_only: bool) -> str:
     audit = run.read_manifest("audit") or {}
     p = recipe.ppo
     base = ppo.get("base_model", recipe.model.name_or_path)
+    sft_settings = ("skipped (instruction-tuned base)" if not recipe.sft.enabled
+                    else f"lr {recipe.sft.learning_rate}, {recipe.sft.epochs} epochs")
+    kl_mode = f"adaptive, target {p.target_kl}" if p.adaptive_kl else "fixed"
     lines = [
         "---", "library_name: " + ("peft" if adapter_only else "transformers"),
         "tags: [rlhf, ppo, rlhf-cli]", "---", "",
@@ -51,7 +54,7 @@ def model_card(recipe: Recipe, run: RunDir, adapter_only: bool) -> str:
         f"`{run.name}`), starting from `{recipe.model.name_or_path}`.", "",
         "## How it was made", "",
         "| stage | settings | result |", "|---|---|---|",
-        f"| SFT | {'skipped (instruction-tuned base)' if not recipe.sft.enabled else f'lr {recipe.sft.learning_rate}, {recipe.sft.epochs} epochs'} | "
+        f"| SFT | {sft_settings} | "
         + ", ".join(f"{k} {_fmt(v)}" for k, v in sft.get("metrics", {}).items()
                     if k.startswith("eval_loss")) + " |",
         f"| Reward model | {recipe.reward.pretrained or recipe.reward.base_model}, template "
@@ -59,7 +62,7 @@ def model_card(recipe: Recipe, run: RunDir, adapter_only: bool) -> str:
         + ", ".join(f"{k} {_fmt(v)}" for k, v in rm.get("metrics", {}).items()
                     if k in ("eval_accuracy", "eval_margin")) + " |",
         f"| PPO | {p.iterations} iterations, batch {p.batch_size}, lr {p.learning_rate}, "
-        f"β₀ {p.init_kl_coef} ({'adaptive, target ' + str(p.target_kl) if p.adaptive_kl else 'fixed'}), "
+        f"β₀ {p.init_kl_coef} ({kl_mode}), "
         f"γ {p.gamma}, λ {p.lam}, clip {p.cliprange}, vf_coef {p.vf_coef}, LoRA r "
         f"{recipe.model.lora.r} | "
         + ", ".join(f"{k} {_fmt(v)}" for k, v in ppo.get("metrics", {}).items()) + " |",

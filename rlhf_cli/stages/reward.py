@@ -13,13 +13,23 @@ from rich.console import Console
 
 from rlhf_cli.data import load_preferences, split_eval
 from rlhf_cli.errors import StageError
-from rlhf_cli.modeling import freeze, load_reward_model, load_tokenizer, lora_config, pick_device
-from rlhf_cli.modeling import resolve_dtype
+from rlhf_cli.modeling import (
+    freeze,
+    load_reward_model,
+    load_tokenizer,
+    lora_config,
+    pick_device,
+    resolve_dtype,
+)
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json
 from rlhf_cli.scoring import RewardScorer
-from rlhf_cli.stages.common import RichProgressCallback, drop_printer, seed_everything
-from rlhf_cli.stages.common import trainer_kwargs
+from rlhf_cli.stages.common import (
+    RichProgressCallback,
+    drop_printer,
+    seed_everything,
+    trainer_kwargs,
+)
 from rlhf_cli.tracking import MetricsWriter
 
 
@@ -45,8 +55,6 @@ def run_train_rm(recipe: Recipe, console: Console) -> dict[str, Any]:
         raise StageError(f"reward.pretrained is set ({cfg.pretrained}): there is no reward model "
                          "to train, `rlhf ppo` uses it directly")
     is_main = PartialState().is_main_process
-    if is_main:
-        run.prepare(recipe)
     seed_everything(recipe.run.seed)
     device = pick_device(recipe.run.device)
     with StageRecord(run, "rm", recipe, inputs={}, write=is_main) as record:

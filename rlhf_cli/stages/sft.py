@@ -11,8 +11,12 @@ from rlhf_cli.errors import StageError
 from rlhf_cli.modeling import load_causal_lm, load_tokenizer, pick_device, resolve_dtype
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir, StageRecord
-from rlhf_cli.stages.common import RichProgressCallback, drop_printer, seed_everything
-from rlhf_cli.stages.common import trainer_kwargs
+from rlhf_cli.stages.common import (
+    RichProgressCallback,
+    drop_printer,
+    seed_everything,
+    trainer_kwargs,
+)
 from rlhf_cli.tracking import MetricsWriter
 
 
@@ -27,8 +31,6 @@ def run_sft(recipe: Recipe, console: Console) -> dict[str, Any]:
                          f"model.name_or_path ({recipe.model.name_or_path}) directly")
     cfg, run = recipe.sft, RunDir.for_recipe(recipe)
     is_main = PartialState().is_main_process
-    if is_main:
-        run.prepare(recipe)
     seed_everything(recipe.run.seed)
     device = pick_device(recipe.run.device)
     with StageRecord(run, "sft", recipe, inputs={}, write=is_main) as record:

@@ -181,7 +181,8 @@ def _rlhf(args: list[str], cwd: Path, **kw: Any) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
-def test_cli_ctrl_c_exits_130_with_a_checkpoint(pipeline, tmp_path, small_recipe):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_cli_ctrl_c_exits_130_with_a_checkpoint(pipeline, tmp_path, small_recipe, signum):
     recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 200})
     run = RunDir.for_recipe(recipe)
     metrics = run.stage_dir("ppo") / "metrics.jsonl"
@@ -189,7 +190,7 @@ def test_cli_ctrl_c_exits_130_with_a_checkpoint(pipeline, tmp_path, small_recipe
     deadline = time.time() + 120
     while time.time() < deadline and len(read_metrics(metrics)) < 2 and proc.poll() is None:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
     assert "Traceback" not in out
@@ -203,7 +204,7 @@ def test_two_processes_log_one_line_per_iteration(pipeline, tmp_path, small_reci
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(29500 + os.getpid() % 1000), "-m", "rlhf_cli.cli", "ppo",
            "--recipe", str(tmp_path / "recipe.yaml"), "--quiet"]
-    for attempt in range(2):  # torchrun rarely reports a failure after both ranks finished
+    for _attempt in range(2):  # torchrun rarely reports a failure after both ranks finished
         done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
         manifest = run.read_manifest("ppo")
         if manifest and manifest["status"] == "completed":
@@ -257,3 +258,54 @@ def test_critic_initialised_from_a_same_tokenizer_reward_model(tmp_path, small_r
     rows = read_metrics(RunDir.for_recipe(recipe).stage_dir("ppo") / "metrics.jsonl")
     assert manifest["status"] == "completed" and rows
     assert rows[0]["ppo/val/mean"] != 0.0  # not a zero head: it starts from the reward head
+
+
+def test_full_disk_while_checkpointing_keeps_the_previous_one(pipeline, tmp_path, small_recipe,
+                                                              monkeypatch):
+    import errno
+
+    from rlhf_cli.ppo import checkpoint as ckpt
+    from rlhf_cli.ppo.trainer import CheckpointWriteError
+    from rlhf_cli.stages.ppo import run_ppo
+
+    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, PPO_SMALL)
+    real_save, calls = ckpt.save_file, []
+
+    def save_until_full(tensors, path):
+        calls.append(path)
+        if "iter_00008" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(tensors, path)
+
+    monkeypatch.setattr(ckpt, "save_file", save_until_full)
+    with pytest.raises(CheckpointWriteError, match="No space left.*iter_00004.*intact"):
+        run_ppo(recipe, QUIET)
+    checkpoints = RunDir.for_recipe(recipe).stage_dir("ppo") / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == ["iter_00004"]  # no half-written folder
+    assert ckpt.verify(checkpoints / "iter_00004") is None
+    manifest = json.loads(RunDir.for_recipe(recipe).manifest_path("ppo").read_text())
+    assert manifest["status"] == "failed" and "CheckpointWriteError" in manifest["error"]
+
+
+def test_non_finite_rewards_skip_updates_then_stop(pipeline, tmp_path, small_recipe,
+                                                   monkeypatch):
+    from rlhf_cli.ppo.trainer import NonFiniteError
+    from rlhf_cli.scoring import RewardScorer
+    from rlhf_cli.stages.ppo import run_ppo
+
+    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "max_nonfinite": 2})
+    real_score, calls = RewardScorer.score, []
+
+    def nan_after_first(self, prompts, responses):  # the reward model starts giving NaN
+        scores, n_truncated = real_score(self, prompts, responses)
+        calls.append(1)
+        return (scores if len(calls) == 1 else torch.full_like(scores, float("nan"))), n_truncated
+
+    monkeypatch.setattr(RewardScorer, "score", nan_after_first)
+    with pytest.raises(NonFiniteError, match="2 iterations in a row"):
+        run_ppo(recipe, QUIET)
+    run = RunDir.for_recipe(recipe)
+    rows = read_metrics(run.stage_dir("ppo") / "metrics.jsonl")
+    assert len(rows) == 3
+    assert rows[0]["ppo/skipped_minibatches"] == 0 and rows[1]["ppo/skipped_minibatches"] > 0
+    assert (run.stage_dir("ppo") / "checkpoints" / "iter_00003" / "checkpoint.json").is_file()
