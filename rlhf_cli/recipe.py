@@ -171,7 +171,8 @@ class SftSection(Section):
     warmup_ratio: float = _f(0.03, "Share of steps with linear warm-up.", ge=0.0, lt=1.0)
     logging_steps: int = _f(10, "Log training loss every N optimiser steps.", gt=0)
     eval_steps: int | None = _f(None, "Evaluate every N steps (default: once per epoch).", gt=0)
-    full_finetune: bool = _f(False, "Save the whole model even without LoRA (set automatically).")
+    full_finetune: bool = _f(False, "Train and save all weights instead of a LoRA adapter "
+                             "(for tiny or small models).")
 
 
 class RewardSection(Section):

@@ -1,0 +1,57 @@
+"""The shipped recipes validate, and mistral7b.yaml carries the guide's settings exactly."""
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rlhf_cli.cli import app
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def validate_json(name: str) -> dict:
+    result = CliRunner().invoke(app, ["validate", "--recipe", str(RECIPES / name), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_mistral7b_has_the_guides_values():
+    r = validate_json("mistral7b.yaml")
+    assert r["model"]["name_or_path"] == "mistralai/Mistral-7B-Instruct-v0.2"
+    assert r["model"]["quantization"] == {"load_in_4bit": True, "quant_type": "nf4",
+                                          "double_quant": True, "compute_dtype": "bfloat16"}
+    lora = r["model"]["lora"]
+    assert (lora["enabled"], lora["r"], lora["alpha"], lora["dropout"]) == (True, 16, 32, 0.05)
+    assert lora["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                      "up_proj", "down_proj"]
+    reward = r["reward"]
+    assert reward["pretrained"] == "OpenAssistant/reward-model-deberta-v3-large-v2"
+    assert reward["template"] == "Human: {prompt}\n\nAssistant: {response}"
+    assert reward["max_length"] == 512
+    prompts = r["data"]["prompts"]
+    assert (prompts["path"], prompts["split"], prompts["max_samples"]) == (
+        "Anthropic/hh-rlhf", "train", 3000)
+    assert (prompts["min_words"], prompts["max_chars"], prompts["max_tokens"]) == (6, 512, 256)
+    ppo = r["ppo"]
+    expected = {"learning_rate": 1.4e-5, "batch_size": 32, "mini_batch_size": 4, "ppo_epochs": 4,
+                "gradient_accumulation_steps": 2, "init_kl_coef": 0.2, "target_kl": 6.0,
+                "horizon": 10000, "gamma": 1.0, "lam": 0.95, "vf_coef": 0.1, "cliprange": 0.2,
+                "cliprange_value": 0.2, "max_grad_norm": 0.5, "adaptive_kl": True,
+                "iterations": 500, "save_freq": 50}
+    assert {k: ppo[k] for k in expected} == expected
+    assert ppo["generation"] == {"max_new_tokens": 200, "temperature": 0.8, "top_p": 0.9,
+                                 "top_k": 0, "do_sample": True}
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "qwen2.5-0.5b.yaml"])
+def test_shipped_recipes_validate(name):
+    assert validate_json(name)["run"]["name"]
+
+
+def test_help_lists_every_stage():
+    out = CliRunner().invoke(app, ["--help"]).output
+    for command in ("sft", "train-rm", "ppo", "audit", "merge", "push", "validate", "report",
+                    "compare"):
+        assert command in out
