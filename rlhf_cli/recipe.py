@@ -364,6 +364,11 @@ def _yaml_line(root: yaml.Node | None, loc: tuple[str | int, ...]) -> int | None
     return line
 
 
+def _printable(text: str) -> str:
+    """Keys and messages may carry newlines or control characters: one line per problem."""
+    return text if text.isprintable() else repr(text)
+
+
 def _format_errors(err: ValidationError, source: str, root: yaml.Node | None) -> list[str]:
     problems: list[str] = []
     seen: dict[str, int] = {}
@@ -379,7 +384,8 @@ def _format_errors(err: ValidationError, source: str, root: yaml.Node | None) ->
             loc, msg = loc + (named.group(1),), named.group(2)
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `rlhf validate` lists every field)"
-        dotted = ".".join(str(p) for p in loc) or "(top level)"
+        dotted = ".".join(_printable(str(p)) for p in loc) or "(top level)"
+        msg = _printable(msg)
         line = _yaml_line(root, loc)
         where = f"{source}:{line}" if line else source
         if dotted in seen:  # one line per field: the alternatives of a union are joined

@@ -36,8 +36,13 @@ def read_responses(path: Path) -> tuple[list[str], list[str]]:
     """Rows with `prompt` and `response` from a JSONL file."""
     if not path.is_file():
         raise DataError(f"--responses: file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:  # a binary file: without this, exit 1 would read as "hacking"
+        raise DataError(f"{path}: not UTF-8 text (JSONL rows with `prompt` and `response`)"
+                        ) from None
     prompts, responses = [], []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -102,6 +102,13 @@ def test_audit_responses_bad_rows_exit_2(make_recipe, chdir_tmp, rows, needle) -
     assert not (chdir_tmp / "runs" / "tiny" / "audit" / "hacked.json").exists()
 
 
+def test_audit_responses_binary_file_exits_2_not_1(make_recipe, chdir_tmp) -> None:
+    responses = chdir_tmp / "model.safetensors"
+    responses.write_bytes(b"\xff\xfe\x00\x01 not text")
+    result = invoke("audit", "--responses", str(responses), "--recipe", str(make_recipe()))
+    assert_one_line_error(result, "not UTF-8 text")
+
+
 # ── push on a hand-made merged run ────────────────────────────────────────────────────────────
 
 
