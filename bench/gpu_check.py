@@ -1,0 +1,134 @@
+"""One PPO check on a lent GPU: iteration time split and peak GPU memory at real model sizes.
+
+No hub is reachable from the device machine, so the policies are locally built models with the
+shapes of the recipes' hub models (random weights, the tiny tokenizer's vocabulary), and the
+reward model is all-MiniLM-L6-v2 with an untrained head: the figures are about time and memory,
+not learning.
+- `qwen0.5b`: Qwen2.5-0.5B's shape, bf16, LoRA r=16 (recipes/qwen2.5-0.5b.yaml's PPO settings);
+- `mistral7b`: Mistral-7B's shape, 4-bit NF4 with double quantisation, LoRA r=16, the guide's PPO
+  batch (32 / 4 / accumulation 2, 4 epochs, 200 new tokens). The guide estimates ~20 GB.
+- `tiny`: a smoke test of this script anywhere (CPU included).
+Writes one JSON object per shape to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {
+    "tiny": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)),
+    "qwen0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                               num_attention_heads=14, num_key_value_heads=2,
+                               tie_word_embeddings=True)),
+    "mistral7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336,
+                                  num_hidden_layers=32, num_attention_heads=32,
+                                  num_key_value_heads=8)),
+}
+PPO = {
+    "tiny": dict(batch_size=8, mini_batch_size=4, gradient_accumulation_steps=1, ppo_epochs=1,
+                 generation=dict(max_new_tokens=16)),
+    "qwen0.5b": dict(batch_size=16, mini_batch_size=4, gradient_accumulation_steps=2,
+                     ppo_epochs=4, generation=dict(max_new_tokens=128, temperature=0.8,
+                                                   top_p=0.9)),
+    "mistral7b": dict(batch_size=32, mini_batch_size=4, gradient_accumulation_steps=2,
+                      ppo_epochs=4, generation=dict(max_new_tokens=200, temperature=0.8,
+                                                    top_p=0.9)),
+}
+
+
+def build(shape: str, folder: Path) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_cli.tiny import tiny_lm_path
+
+    kind, dims = SHAPES[shape]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm_path())
+    config = AutoConfig.for_model(kind, vocab_size=len(tokenizer), max_position_embeddings=4096,
+                                  pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, **dims)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):  # a 7B model is initialised on the GPU in seconds
+        model = AutoModelForCausalLM.from_config(config)
+    torch.set_default_dtype(torch.float32)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    del model
+    return folder
+
+
+def recipe(shape: str, work: Path, iterations: int) -> Path:
+    data = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
+    for key in ("sft", "preferences", "prompts"):
+        data["data"][key]["path"] = str(ROOT / "data" / "tiny" / Path(
+            data["data"][key]["path"]).name)
+    data["audit"]["prompts_file"] = str(ROOT / "data" / "tiny" / "audit_prompts.txt")
+    data["run"].update(name=f"gpu-{shape}", output_dir=str(work / "runs"), device="auto")
+    data["sft"]["enabled"] = False
+    data["model"].update(name_or_path=str(build(shape, work / shape)), dtype="bfloat16")
+    if shape == "mistral7b":
+        data["model"]["quantization"] = {"load_in_4bit": True, "quant_type": "nf4",
+                                         "double_quant": True, "compute_dtype": "bfloat16"}
+    data["reward"] = {**data["reward"], "base_model": None, "pretrained": "builtin:minilm"}
+    data["ppo"].update(PPO[shape], iterations=iterations, save_freq=10_000, log_every=10_000,
+                       learning_rate=1.4e-5)
+    path = work / f"{shape}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def check(shape: str, iterations: int) -> dict:
+    import torch
+    from rich.console import Console
+
+    from rlhf_cli.cli import _quiet_libraries
+    from rlhf_cli.recipe import load_recipe
+    from rlhf_cli.stages.ppo import run_ppo
+    from rlhf_cli.tracking import read_metrics
+
+    _quiet_libraries()
+    with tempfile.TemporaryDirectory(prefix=f"gpu-{shape}-") as work:
+        start = time.perf_counter()
+        r = load_recipe(recipe(shape, Path(work), iterations))
+        build_s = time.perf_counter() - start
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        run_ppo(r, Console(stderr=True, quiet=True))
+        rows = read_metrics(Path(r.run.output_dir) / r.run.name / "ppo" / "metrics.jsonl")
+    keys = ["time/rollout_s", "time/score_s", "time/logprobs_s", "time/update_s",
+            "time/iteration_s"]
+    return {"shape": shape, "iterations": len(rows), "build_s": round(build_s, 1),
+            "ppo": {k: v for k, v in PPO[shape].items()},
+            "median_s": {k: round(statistics.median(x[k] for x in rows), 3) for k in keys},
+            "tokens_generated_per_s": round(statistics.median(
+                x["tokens/generated_per_s"] for x in rows), 1),
+            "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if torch.cuda.is_available() else None,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", nargs="+", choices=sorted(SHAPES))
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--out", default="gpu_check.json")
+    args = parser.parse_args()
+    results = []
+    for shape in args.shapes:
+        results.append(check(shape, args.iterations if shape != "mistral7b" else 1))
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")  # keep what finished
+        print(json.dumps(results[-1]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The prepared check for a lent GPU machine (under 8 minutes): PPO on Qwen2.5-0.5B's shape for a
+# few iterations (time split, peak GPU memory), then, if time allows, one iteration of the
+# guide's Mistral-7B recipe shape in 4-bit NF4 (peak GPU memory against the guide's ~20 GB).
+# Usage (device tool): bash bench/gpu_check.sh  → $OUT/gpu_check_{qwen,mistral}.json
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-.}"
+python3 -m venv .venv-gpu
+.venv-gpu/bin/pip install -q --upgrade pip
+.venv-gpu/bin/python -c "import torch" 2>/dev/null || .venv-gpu/bin/pip install -q torch
+.venv-gpu/bin/pip install -q -e .
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 RLHF_CLI_CACHE="$PWD/.cache/rlhf-cli"
+nvidia-smi --query-gpu=name,memory.total --format=csv
+timeout 240 .venv-gpu/bin/python bench/gpu_check.py qwen0.5b --iterations 3 \
+  --out "$out/gpu_check_qwen.json"
+timeout 300 .venv-gpu/bin/python bench/gpu_check.py mistral7b --out "$out/gpu_check_mistral.json" \
+  || echo "mistral7b did not finish in time; the qwen0.5b figures are in $out"
