@@ -309,3 +309,29 @@ def test_non_finite_rewards_skip_updates_then_stop(pipeline, tmp_path, small_rec
     assert len(rows) == 3
     assert rows[0]["ppo/skipped_minibatches"] == 0 and rows[1]["ppo/skipped_minibatches"] > 0
     assert (run.stage_dir("ppo") / "checkpoints" / "iter_00003" / "checkpoint.json").is_file()
+
+
+def test_ppo_after_a_lora_sft_uses_the_merged_sft_model_as_reference(pipeline, tmp_path,
+                                                                     small_recipe):
+    """SFT trained an adapter: PPO merges it into the base (the reference is the SFT model, not
+    the raw base) and trains a fresh PPO adapter on top."""
+    from rlhf_cli.stages.ppo import load_sft_model, policy_source, run_ppo
+    from rlhf_cli.stages.sft import run_sft
+
+    shutil.copytree(pipeline / "runs", tmp_path / "runs")
+    recipe = load_recipe(small_recipe(tmp_path, {
+        "sft": {"full_finetune": False, "epochs": 1, "learning_rate": 5e-3},
+        "data": {"sft": {"max_samples": 64}}, "ppo": {**PPO_SMALL, "iterations": 2}}))
+    run_sft(recipe, QUIET)
+    run = RunDir.for_recipe(recipe)
+    base, adapter, _ = policy_source(recipe, run, {})
+    assert adapter is not None and adapter.name == "adapter"
+    merged = load_sft_model(recipe.model, base, adapter, torch.device("cpu"))
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_cli.modeling import resolve_model_path
+
+    raw = AutoModelForCausalLM.from_pretrained(resolve_model_path(base))
+    assert any(not torch.equal(a, b) for a, b in zip(merged.state_dict().values(),
+                                                     raw.state_dict().values(), strict=True))
+    assert run_ppo(recipe, QUIET)["status"] == "completed"
