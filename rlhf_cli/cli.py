@@ -134,6 +134,18 @@ def train_rm(recipe: RecipeOpt = None, as_json: JsonOpt = False, quiet: QuietOpt
     _stage(run_train_rm, "rm", recipe, as_json, quiet, runs_dir)
 
 
+@app.command()
+@_exit_on_errors
+def ppo(recipe: RecipeOpt = None, resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue from the newest good checkpoint.")] = False,
+        as_json: JsonOpt = False, quiet: QuietOpt = False,
+        runs_dir: RunsOpt = Path("runs")) -> None:
+    """Stage 4: PPO against the frozen reward model, per-token KL to the frozen reference."""
+    from rlhf_cli.stages.ppo import run_ppo
+
+    _stage(functools.partial(run_ppo, resume=resume), "ppo", recipe, as_json, quiet, runs_dir)
+
+
 def _recipe_near(path: Path | None) -> Path | None:
     """The recipe snapshot of the run a checkpoint or file lives in (`runs/<name>/recipe.yaml`)."""
     if path is None:
