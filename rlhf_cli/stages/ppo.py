@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from rlhf_cli.data import load_prompts
-from rlhf_cli.errors import ModelLoadError, StageError
+from rlhf_cli.errors import DataError, ModelLoadError, StageError
 from rlhf_cli.modeling import (
     freeze,
     load_causal_lm,
@@ -136,6 +137,25 @@ def _reward_head(reward_path: str, device: torch.device) -> dict[str, torch.Tens
             if head.bias is not None else torch.zeros(1)}
 
 
+def check_fit(recipe: Recipe, policy: Any, reward_model: Any, reward_tokenizer: Any) -> None:
+    """Mismatches that would fail (or silently mis-score) mid-run, caught before training."""
+    context = getattr(policy.config, "max_position_embeddings", None)
+    need = recipe.data.prompts.max_tokens + recipe.ppo.generation.max_new_tokens
+    if context and need > context:
+        raise DataError(f"data.prompts.max_tokens ({recipe.data.prompts.max_tokens}) + "
+                        f"ppo.generation.max_new_tokens ({recipe.ppo.generation.max_new_tokens})"
+                        f" = {need} exceeds the policy's context of {context} tokens")
+    rm_context = getattr(reward_model.config, "max_position_embeddings", None)
+    if rm_context and recipe.reward.max_length > rm_context:
+        raise DataError(f"reward.max_length ({recipe.reward.max_length}) exceeds the reward "
+                        f"model's context of {rm_context} tokens")
+    vocab = reward_model.get_input_embeddings().num_embeddings
+    if len(reward_tokenizer) > vocab:
+        raise DataError(f"the reward tokenizer has {len(reward_tokenizer)} tokens but the reward "
+                        f"model only {vocab} embeddings: reward.tokenizer does not match "
+                        "reward model")
+
+
 def prompt_overlap(run: RunDir, prompts: list[str]) -> int:
     """PPO prompts the reward model was trained on (the guide's "same data" mistake)."""
     manifest = run.read_manifest("rm")
@@ -176,6 +196,8 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
             record.warn(f"{overlap} of {len(prompts)} PPO prompts were in the reward model's "
                         "training pairs: it overestimates scores there; use separate prompts "
                         "(ppo.allow_prompt_overlap: true silences this)")
+        for warning in record.manifest["warnings"]:
+            console.print(f"[yellow]warning[/]: {escape(warning)}", highlight=False)
 
         # 2. Models: actor (policy + value), reference, frozen reward model.
         reward_tokenizer = load_tokenizer(reward_tok, recipe.reward.trust_remote_code, "right")
@@ -184,6 +206,7 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
         reward_model = freeze(load_reward_model(reward_path, device, recipe.reward.dtype,
                                                 recipe.reward.trust_remote_code))
         set_dropout(reward_model, 0.0)
+        check_fit(recipe, actor.policy, reward_model, reward_tokenizer)
         scorer = RewardScorer(reward_model, reward_tokenizer, recipe.reward.template,
                               recipe.reward.max_length, recipe.reward.score_batch_size)
         chat = recipe.model.prompt_format == "chat"

@@ -131,3 +131,28 @@ def test_cli_busy_run_exits_2_naming_the_holder(tmp_path, monkeypatch):
     assert result.exit_code == 2
     assert f"busy: pid {holder.pid}" in result.output
     assert "Traceback" not in result.output
+
+
+def _fake_model(context: int, vocab: int = 100):
+    from types import SimpleNamespace
+
+    import torch
+
+    embeddings = torch.nn.Embedding(vocab, 2)
+    return SimpleNamespace(config=SimpleNamespace(max_position_embeddings=context),
+                           get_input_embeddings=lambda: embeddings)
+
+
+def test_mismatches_are_caught_before_training(tmp_path):
+    from rlhf_cli.errors import DataError
+    from rlhf_cli.stages.ppo import check_fit
+
+    recipe = _recipe(tmp_path)  # prompts 64 tokens + 32 new, reward max_length 128
+    tokenizer = list(range(100))
+    check_fit(recipe, _fake_model(96), _fake_model(128), tokenizer)  # fits exactly
+    with pytest.raises(DataError, match=r"= 96 exceeds the policy's context of 95"):
+        check_fit(recipe, _fake_model(95), _fake_model(128), tokenizer)
+    with pytest.raises(DataError, match=r"reward.max_length \(128\) exceeds .* 127"):
+        check_fit(recipe, _fake_model(96), _fake_model(127), tokenizer)
+    with pytest.raises(DataError, match="101 tokens but the reward model only 100"):
+        check_fit(recipe, _fake_model(96), _fake_model(128), list(range(101)))
