@@ -11,7 +11,7 @@ RECIPE ?= recipes/tiny.yaml
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: install demo test lint bench docs clean
+.PHONY: install demo test lint bench bench-peer docs clean
 
 install: $(STAMP)
 
@@ -44,6 +44,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_ppo.py --out bench/ppo.json
+
+bench-peer: $(STAMP)
+	$(PY) bench/bench_peer.py --out bench/peer.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check rlhf_cli tests scripts bench

@@ -46,7 +46,9 @@ def build_large(folder: Path) -> Path:
     return folder
 
 
-def recipe_for(name: str, work: Path, iterations: int) -> Path:
+def tiny_recipe_data(work: Path, run_name: str, iterations: int) -> dict:
+    """recipes/tiny.yaml as a dict with absolute data paths, runs under `work`, no checkpoints
+    or console blocks during the measured iterations."""
     import yaml
 
     data = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
@@ -54,8 +56,15 @@ def recipe_for(name: str, work: Path, iterations: int) -> Path:
         data["data"][key]["path"] = str(ROOT / "data" / "tiny" / Path(
             data["data"][key]["path"]).name)
     data["audit"]["prompts_file"] = str(ROOT / "data" / "tiny" / "audit_prompts.txt")
-    data["run"].update(name="bench-tiny", output_dir=str(work / "runs"))
+    data["run"].update(name=run_name, output_dir=str(work / "runs"))
     data["ppo"].update(iterations=iterations, save_freq=10_000, log_every=10_000)
+    return data
+
+
+def recipe_for(name: str, work: Path, iterations: int) -> Path:
+    import yaml
+
+    data = tiny_recipe_data(work, "bench-tiny", iterations)
     if name != "tiny":
         data["run"]["name"] = f"bench-{name}"
         data["model"]["name_or_path"] = str(build_large(work / name))

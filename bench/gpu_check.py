@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import yaml
+from bench_ppo import tiny_recipe_data
 
-ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {
     "tiny": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2)),
@@ -68,20 +68,15 @@ def build(shape: str, folder: Path) -> Path:
 
 
 def recipe(shape: str, work: Path, iterations: int) -> Path:
-    data = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
-    for key in ("sft", "preferences", "prompts"):
-        data["data"][key]["path"] = str(ROOT / "data" / "tiny" / Path(
-            data["data"][key]["path"]).name)
-    data["audit"]["prompts_file"] = str(ROOT / "data" / "tiny" / "audit_prompts.txt")
-    data["run"].update(name=f"gpu-{shape}", output_dir=str(work / "runs"), device="auto")
+    data = tiny_recipe_data(work, f"gpu-{shape}", iterations)
+    data["run"]["device"] = "auto"
     data["sft"]["enabled"] = False
     data["model"].update(name_or_path=str(build(shape, work / shape)), dtype="bfloat16")
     if shape == "mistral7b":
         data["model"]["quantization"] = {"load_in_4bit": True, "quant_type": "nf4",
                                          "double_quant": True, "compute_dtype": "bfloat16"}
     data["reward"] = {**data["reward"], "base_model": None, "pretrained": "builtin:minilm"}
-    data["ppo"].update(PPO[shape], iterations=iterations, save_freq=10_000, log_every=10_000,
-                       learning_rate=1.4e-5)
+    data["ppo"].update(PPO[shape], learning_rate=1.4e-5)
     path = work / f"{shape}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
