@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.markup import escape
+from safetensors.torch import save_file
 
 from rlhf_cli.data import load_prompts
 from rlhf_cli.errors import DataError, ModelLoadError, StageError
@@ -257,8 +258,6 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
             kind = "adapter" if recipe.model.lora.enabled else "model"
             unwrapped.policy.save_pretrained(stage_dir / kind)
             tokenizer.save_pretrained(stage_dir / "tokenizer")
-            from safetensors.torch import save_file
-
             save_file(unwrapped.value_state_dict(), stage_dir / "value_head.safetensors")
             record.manifest["outputs"] = {kind: kind, "tokenizer": "tokenizer",
                                           "value_head": "value_head.safetensors",

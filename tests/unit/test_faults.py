@@ -156,3 +156,30 @@ def test_mismatches_are_caught_before_training(tmp_path):
         check_fit(recipe, _fake_model(96), _fake_model(127), tokenizer)
     with pytest.raises(DataError, match="101 tokens but the reward model only 100"):
         check_fit(recipe, _fake_model(96), _fake_model(128), list(range(101)))
+
+
+def test_prompt_overlap_with_reward_training_is_counted(tmp_path):
+    import json
+
+    from rlhf_cli.rundir import atomic_write_json
+    from rlhf_cli.stages.ppo import prompt_overlap
+
+    run = RunDir.for_recipe(_recipe(tmp_path))
+    (run.stage_dir("rm")).mkdir(parents=True)
+    atomic_write_json(run.stage_dir("rm") / "train_prompts.json", ["seen one", "seen two"])
+    atomic_write_json(run.manifest_path("rm"), {"status": "completed", "outputs": {
+        "train_prompts": "train_prompts.json"}})
+    assert prompt_overlap(run, ["seen one", "fresh", "seen two", "seen one"]) == 3
+    assert json.loads(run.manifest_path("rm").read_text())["status"] == "completed"
+
+
+def test_reward_truncation_is_counted_not_silent():
+    from rlhf_cli.modeling import load_tokenizer
+    from rlhf_cli.scoring import RewardScorer
+
+    tokenizer = load_tokenizer("builtin:minilm", padding_side="right")
+    scorer = RewardScorer(model=None, tokenizer=tokenizer, template="{prompt} {response}",
+                          max_length=16)
+    ids, n_truncated = scorer.encode(scorer.texts(["short", "long " * 40], ["ok", "ok"]))
+    assert n_truncated == 1
+    assert max(len(x) for x in ids) == 16
