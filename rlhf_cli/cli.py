@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -265,6 +267,10 @@ def compare(prompt: Annotated[list[str] | None, typer.Option(
 
 
 def main() -> None:
+    # Before any library import: bitsandbytes logs a missing optional CPU kernel when imported,
+    # and transformers warns about its own upcoming renames; neither is the user's to act on.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
     app(prog_name="rlhf")
 
 
