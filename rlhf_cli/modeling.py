@@ -7,7 +7,6 @@ the policy with its adapter disabled when LoRA is on, so no second copy of the w
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,23 +101,21 @@ def assert_quantised(model: torch.nn.Module, name: str) -> None:
         raise ModelLoadError(f"'{name}' was asked for in 4-bit but no layer was quantised")
 
 
-def lora_config(lora: LoraSection, task_type: str, inference: bool = False) -> Any:
+def lora_config(lora: LoraSection, task_type: str, no_dropout: bool = False) -> Any:
+    """peft's LoraConfig from the recipe; `no_dropout` for PPO, whose ratio needs deterministic
+    log-probs (the recipe's dropout applies to SFT)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0 if inference else
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0 if no_dropout else
                       lora.dropout, target_modules=lora.target_modules, bias=lora.bias,
                       task_type=task_type)
 
 
 def load_causal_lm(name_or_path: str, model_cfg: ModelSection, device: torch.device, *,
-                   trainable: bool = True, adapter: str | Path | None = None,
-                   lora_dropout: bool = True) -> Any:
-    """The policy: base weights (4-bit if asked), then a LoRA adapter when `model.lora.enabled`.
-
-    `adapter` continues from a saved adapter folder (e.g. the SFT output) instead of a fresh one.
-    `lora_dropout=False` builds the adapter without dropout (PPO runs with dropout off).
-    """
-    from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
+                   trainable: bool = True) -> Any:
+    """Base weights (4-bit if asked); when `trainable`, a fresh LoRA adapter if
+    `model.lora.enabled` (on 4-bit weights prepared for k-bit training). Frozen otherwise."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
@@ -137,13 +134,8 @@ def load_causal_lm(name_or_path: str, model_cfg: ModelSection, device: torch.dev
         model.to(device)
     if quant is not None and trainable:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
-        if not lora_dropout:
-            set_dropout(model, 0.0)
-    elif model_cfg.lora.enabled and trainable:
-        model = get_peft_model(model, lora_config(model_cfg.lora, "CAUSAL_LM",
-                                                  inference=not lora_dropout))
+    if model_cfg.lora.enabled and trainable:
+        model = get_peft_model(model, lora_config(model_cfg.lora, "CAUSAL_LM"))
     if not trainable:
         freeze(model)
     return model

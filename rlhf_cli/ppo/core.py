@@ -318,7 +318,22 @@ def approx_kl(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- KL controllers
 
 
-class AdaptiveKLController:
+class _KLController:
+    """What both controllers share: the current β, and a manual raise."""
+
+    _value: float
+
+    @property
+    def value(self) -> float:
+        """Current KL coefficient."""
+        return self._value
+
+    def raise_by(self, delta: float) -> None:
+        """Raise the coefficient by ``delta`` (the audit's response to reward hacking)."""
+        self._value += float(delta)
+
+
+class AdaptiveKLController(_KLController):
     """Proportional KL-coefficient controller. [Ziegler sec. 2.2, TRL]
 
     ``e = clip(current_kl / target - 1, -0.2, 0.2)``;
@@ -329,11 +344,6 @@ class AdaptiveKLController:
         self._value = float(init_kl_coef)
         self.target = float(target)
         self.horizon = int(horizon)
-
-    @property
-    def value(self) -> float:
-        """Current KL coefficient."""
-        return self._value
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """Adapt the coefficient towards ``target`` after ``n_steps`` samples."""
@@ -350,21 +360,12 @@ class AdaptiveKLController:
         self.target = float(d.get("target", self.target))
         self.horizon = int(d.get("horizon", self.horizon))
 
-    def raise_by(self, delta: float) -> None:
-        """Raise the coefficient by ``delta`` (the audit's response to reward hacking)."""
-        self._value += float(delta)
 
-
-class FixedKLController:
+class FixedKLController(_KLController):
     """Constant KL coefficient with the :class:`AdaptiveKLController` interface."""
 
     def __init__(self, kl_coef: float) -> None:
         self._value = float(kl_coef)
-
-    @property
-    def value(self) -> float:
-        """Current (constant) KL coefficient."""
-        return self._value
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """Do nothing: the coefficient is fixed."""
@@ -376,7 +377,3 @@ class FixedKLController:
     def load_state_dict(self, d: dict[str, float]) -> None:
         """Restore state saved by :meth:`state_dict`."""
         self._value = float(d["value"])
-
-    def raise_by(self, delta: float) -> None:
-        """Raise the coefficient by ``delta`` (the audit's response to reward hacking)."""
-        self._value += float(delta)

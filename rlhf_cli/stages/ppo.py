@@ -101,7 +101,7 @@ def build_actor(recipe: Recipe, base: str, sft_adapter: Path | None, device: tor
     if lora.enabled:
         if recipe.model.quantization.load_in_4bit:
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        policy = get_peft_model(model, lora_config(lora, "CAUSAL_LM", inference=True))
+        policy = get_peft_model(model, lora_config(lora, "CAUSAL_LM", no_dropout=True))
         reference = Reference(policy)
     else:
         policy = model

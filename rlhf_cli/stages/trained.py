@@ -93,7 +93,7 @@ def load_trained_policy(recipe: Recipe, run: RunDir, device: torch.device,
         if not model_cfg.lora.enabled:
             raise StageError(f"{folder}: auditing checkpoints of full-weight PPO runs is not "
                              "supported; audit the final policy instead")
-        model = get_peft_model(sft_model, lora_config(model_cfg.lora, "CAUSAL_LM", True))
+        model = get_peft_model(sft_model, lora_config(model_cfg.lora, "CAUSAL_LM", no_dropout=True))
         missing = model.load_state_dict(load_file(folder / "policy.safetensors"), strict=False)
         if missing.unexpected_keys:
             raise StageError(f"{folder} does not match this recipe's LoRA settings")

@@ -412,3 +412,12 @@ def test_kl_controller_state_dict_round_trip() -> None:
     other = FixedKLController(9.0)
     other.load_state_dict(fixed.state_dict())
     assert other.value == 0.1
+
+
+@pytest.mark.parametrize("controller", [AdaptiveKLController(0.2, 6.0, 10000),
+                                        FixedKLController(0.2)])
+def test_raise_by_adds_the_audit_step(controller):
+    controller.raise_by(0.05)
+    assert controller.value == pytest.approx(0.25)
+    controller.update(3.0, 32)  # the controllers keep working from the raised value
+    assert controller.value <= 0.25
