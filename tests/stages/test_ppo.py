@@ -105,6 +105,7 @@ def test_frozen_models_get_no_gradients(pipeline, tmp_path, small_recipe, monkey
     monkeypatch.setattr(stage, "train", spying_train)
     run_ppo(ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 3}), QUIET)
     actor = seen["ctx"].unwrapped
+    assert seen["ctx"].optimizer.param_groups[0]["eps"] == 1e-5  # ppo.adam_eps default
     assert seen["dropout"] and all(p == 0.0 for p in seen["dropout"])
     for name, param in actor.policy.named_parameters():
         if "lora_" in name:

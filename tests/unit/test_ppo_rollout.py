@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.testing import assert_close
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -71,3 +72,35 @@ def test_value_head_starts_at_zero():
     _, values = actor(ids, mask)
     assert values.shape == (1, 3)
     assert torch.count_nonzero(values) == 0
+
+
+class _ConstantScorer:
+    """Scores every response 1.0, so the penalty is all that changes a score."""
+
+    def score(self, prompts, responses):
+        return torch.ones(len(prompts)), 0
+
+
+@pytest.mark.parametrize("stop_on_anything", [True, False])
+def test_missing_eos_penalty_hits_only_responses_that_never_end(stop_on_anything):
+    from rlhf_cli.modeling import load_tokenizer
+    from rlhf_cli.ppo.models import Reference
+    from rlhf_cli.ppo.rollout import collect_rollout
+    from rlhf_cli.recipe import GenerationSection
+
+    tokenizer = load_tokenizer("builtin:tiny-lm")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         pad_token_id=tokenizer.pad_token_id)
+    policy = LlamaForCausalLM(config).eval()
+    actor = PolicyAndValue(policy, value_head=zero_value_head(32))
+    stops = list(range(len(tokenizer))) if stop_on_anything else [tokenizer.eos_token_id]
+    queries = [tokenizer("hello there friend")["input_ids"]] * 4
+    rollout = collect_rollout(actor, Reference(policy, frozen_copy=policy), _ConstantScorer(),
+                              tokenizer, ["p"] * 4, queries,
+                              GenerationSection(max_new_tokens=3, temperature=1.0, top_p=1.0),
+                              stops, missing_eos_penalty=0.5)
+    assert rollout.ended.all() == stop_on_anything
+    assert_close(rollout.scores, 1.0 - 0.5 * (~rollout.ended).float())
+    assert_close(rollout.raw_scores, torch.ones(4))

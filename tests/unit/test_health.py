@@ -1,0 +1,34 @@
+"""The guide's Part 9 table: each danger sign fires once, with the guide's fix."""
+
+from rlhf_cli.ppo.health import HealthMonitor
+
+HEALTHY = {"objective/kl": 5.0, "objective/clipfrac": 0.2, "objective/entropy": 4.0,
+           "ppo/loss/value": 0.5, "env/reward_mean": 1.0}
+
+
+def test_healthy_metrics_fire_nothing():
+    assert HealthMonitor().check(HEALTHY, 150, [HEALTHY] * 30) == []
+
+
+def test_each_danger_fires_once_with_its_fix():
+    monitor = HealthMonitor()
+    bad = {**HEALTHY, "objective/kl": 30.0, "objective/entropy": 0.5}
+    first = monitor.check(bad, 5, [])
+    assert len(first) == 2
+    assert any("KL jumped above 25" in m and "Increase β, reduce learning rate" in m
+               for m in first)
+    assert any("Increase c₂" in m for m in first)
+    assert monitor.check(bad, 6, []) == []  # once per kind of problem
+
+
+def test_thresholds_that_depend_on_the_iteration():
+    monitor = HealthMonitor()
+    assert monitor.check({**HEALTHY, "ppo/loss/value": 3.0}, 99, []) == []
+    assert "value loss above 2.0" in monitor.check({**HEALTHY, "ppo/loss/value": 3.0}, 100,
+                                                   [])[0]
+    assert monitor.check({**HEALTHY, "objective/clipfrac": 0.01}, 9, []) == []
+    assert "reduce KL coef" in monitor.check({**HEALTHY, "objective/clipfrac": 0.01}, 10, [])[0]
+    falling = [{"env/reward_mean": 2.0}] * 10 + [{"env/reward_mean": 1.0}] * 10
+    assert "Check reward model" in monitor.check(HEALTHY, 60, falling)[0]
+    assert HealthMonitor(already=["kl_high"]).check({**HEALTHY, "objective/kl": 30.0}, 5,
+                                                    []) == []
