@@ -295,6 +295,12 @@ def train(ctx: PPOContext, start_iteration: int = 0) -> dict[str, Any]:
             ctx.history.append(metrics)
             if is_main:
                 ctx.writer.log(metrics, step=iteration)
+                if rollout.n_truncated and "reward_truncation" not in ctx.health.seen:
+                    ctx.health.seen.add("reward_truncation")
+                    ctx.on_warning(f"iteration {iteration}: {rollout.n_truncated} of "
+                                   f"{len(rollout.prompts)} reward inputs were longer than "
+                                   "reward.max_length and truncated (reward/truncated_inputs "
+                                   "counts them each iteration)")
                 for message in ctx.health.check(metrics, iteration, ctx.history):
                     ctx.console.print(f"[yellow]health[/]: {message}", markup=True)
                     ctx.on_warning(message)

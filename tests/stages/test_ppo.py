@@ -336,3 +336,15 @@ def test_ppo_after_a_lora_sft_uses_the_merged_sft_model_as_reference(pipeline, t
     assert any(not torch.equal(a, b) for a, b in zip(merged.state_dict().values(),
                                                      raw.state_dict().values(), strict=True))
     assert run_ppo(recipe, QUIET)["status"] == "completed"
+
+
+def test_reward_truncation_is_reported(pipeline, tmp_path, small_recipe):
+    from rlhf_cli.stages.ppo import run_ppo
+
+    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 1})
+    recipe = recipe.model_copy(update={"reward": recipe.reward.model_copy(
+        update={"max_length": 12})})
+    manifest = run_ppo(recipe, QUIET)
+    rows = read_metrics(RunDir.for_recipe(recipe).stage_dir("ppo") / "metrics.jsonl")
+    assert rows[0]["reward/truncated_inputs"] > 0
+    assert any("longer than reward.max_length" in w for w in manifest["warnings"])
