@@ -129,6 +129,20 @@ class ModelSection(Section):
     def _local_model(cls, value: str | None, info: ValidationInfo) -> str | None:
         return None if value is None else _resolve_local(value, info, "model folder")
 
+    def variant(self, *, lora: bool | None = None, load_in_4bit: bool | None = None,
+                dtype: str | None = None) -> ModelSection:
+        """This section with LoRA, 4-bit loading or the dtype switched (e.g. the frozen SFT
+        model has no new adapter; merging reloads full-precision weights)."""
+        update: dict[str, Any] = {}
+        if lora is not None:
+            update["lora"] = self.lora.model_copy(update={"enabled": lora})
+        if load_in_4bit is not None:
+            update["quantization"] = self.quantization.model_copy(
+                update={"load_in_4bit": load_in_4bit})
+        if dtype is not None:
+            update["dtype"] = dtype
+        return self.model_copy(update=update)
+
 
 class DataSource(Section):
     path: str = _f(..., "A local .json/.jsonl/.csv/.parquet file or a hub dataset name.")

@@ -29,11 +29,7 @@ class MergeMismatch(RlhfError):
 
 def merge_model_config(recipe: Recipe) -> ModelSection:
     """The model section as merging needs it: full precision weights, no new adapter."""
-    model = recipe.model
-    return model.model_copy(update={
-        "dtype": recipe.merge.dtype,
-        "quantization": model.quantization.model_copy(update={"load_in_4bit": False}),
-        "lora": model.lora.model_copy(update={"enabled": False})})
+    return recipe.model.variant(lora=False, load_in_4bit=False, dtype=recipe.merge.dtype)
 
 
 @torch.inference_mode()

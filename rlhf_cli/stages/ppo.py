@@ -82,16 +82,15 @@ def load_sft_model(model_cfg: ModelSection, base: str, sft_adapter: Path | None,
     PPO reference, and the base the PPO adapter is trained and merged on."""
     from peft import PeftModel
 
-    no_lora = model_cfg.model_copy(update={"lora": model_cfg.lora.model_copy(
-        update={"enabled": False})})
-    model = load_causal_lm(base, no_lora, device, trainable=False)
+    model = load_causal_lm(base, model_cfg.variant(lora=False), device, trainable=False)
     if sft_adapter is not None:
         model = PeftModel.from_pretrained(model, str(sft_adapter)).merge_and_unload()
     return model
 
 
 def build_actor(recipe: Recipe, base: str, sft_adapter: Path | None, device: torch.device,
-                reward_path: str, same_tokenizer: bool) -> tuple[PolicyAndValue, Reference]:
+                reward_path: str, reward_model: Any,
+                same_tokenizer: bool) -> tuple[PolicyAndValue, Reference]:
     """Policy (+ fresh LoRA), value head or critic, and the reference, dropout off."""
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModel
@@ -121,16 +120,15 @@ def build_actor(recipe: Recipe, base: str, sft_adapter: Path | None, device: tor
         backbone = AutoModel.from_pretrained(source)
         head = zero_value_head(hidden_size_of(backbone))
         if cfg.value_init == "reward_model":
-            head.load_state_dict(_reward_head(reward_path, device))
+            head.load_state_dict(_reward_head(reward_model, reward_path))
         set_dropout(backbone, 0.0)
         actor = PolicyAndValue(policy, critic=ValueModel(backbone, head))
     return actor.to(device), reference
 
 
-def _reward_head(reward_path: str, device: torch.device) -> dict[str, torch.Tensor]:
+def _reward_head(reward_model: Any, reward_path: str) -> dict[str, torch.Tensor]:
     """The reward model's scalar head, to start a per-token critic from it."""
-    rm = load_reward_model(reward_path, device)
-    head = getattr(rm, "score", None) or getattr(rm, "classifier", None)
+    head = getattr(reward_model, "score", None) or getattr(reward_model, "classifier", None)
     if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
         raise ModelLoadError(f"reward model '{reward_path}' has no linear 1-logit head to "
                              "initialise the critic from; use ppo.value_init: policy")
@@ -203,10 +201,11 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
         # 2. Models: actor (policy + value), reference, frozen reward model.
         reward_tokenizer = load_tokenizer(reward_tok, recipe.reward.trust_remote_code, "right")
         same_tok = reward_tokenizer.get_vocab() == tokenizer.get_vocab()
-        actor, reference = build_actor(recipe, base, sft_adapter, device, reward_path, same_tok)
         reward_model = freeze(load_reward_model(reward_path, device, recipe.reward.dtype,
                                                 recipe.reward.trust_remote_code))
         set_dropout(reward_model, 0.0)
+        actor, reference = build_actor(recipe, base, sft_adapter, device, reward_path,
+                                       reward_model, same_tok)
         check_fit(recipe, actor.policy, reward_model, reward_tokenizer)
         scorer = RewardScorer(reward_model, reward_tokenizer, recipe.reward.template,
                               recipe.reward.max_length, recipe.reward.score_batch_size)

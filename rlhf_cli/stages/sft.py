@@ -44,8 +44,7 @@ def run_sft(recipe: Recipe, console: Console) -> dict[str, Any]:
                                    recipe.model.trust_remote_code, padding_side="right")
         model_cfg = recipe.model
         if cfg.full_finetune:
-            model_cfg = recipe.model.model_copy(update={"lora": recipe.model.lora.model_copy(
-                update={"enabled": False})})
+            model_cfg = recipe.model.variant(lora=False)
         model = load_causal_lm(recipe.model.name_or_path, model_cfg, device)
 
         # 3. Trainer.

@@ -16,6 +16,7 @@ import torch
 
 from rlhf_cli.errors import StageError
 from rlhf_cli.modeling import (
+    freeze,
     load_causal_lm,
     load_reward_model,
     load_tokenizer,
@@ -78,10 +79,8 @@ def load_trained_policy(recipe: Recipe, run: RunDir, device: torch.device,
     tokenizer = load_tokenizer(tok_source, model_cfg.trust_remote_code, "left")
     label = folder.name if kind == "checkpoint" else run.name
     if kind == "model":
-        no_lora = model_cfg.model_copy(update={"quantization": model_cfg.quantization.model_copy(
-            update={"load_in_4bit": False}), "lora": model_cfg.lora.model_copy(
-            update={"enabled": False})})
-        model = load_causal_lm(str(folder), no_lora, device, trainable=False)
+        model = load_causal_lm(str(folder), model_cfg.variant(lora=False, load_in_4bit=False),
+                               device, trainable=False)
         reference_model = load_sft_model(model_cfg, base, sft_adapter, device)
         return TrainedPolicy(model, Reference(model, reference_model), tokenizer, label)
     sft_model = load_sft_model(model_cfg, base, sft_adapter, device)
@@ -98,10 +97,7 @@ def load_trained_policy(recipe: Recipe, run: RunDir, device: torch.device,
         if missing.unexpected_keys:
             raise StageError(f"{folder} does not match this recipe's LoRA settings")
     set_dropout(model, 0.0)
-    model.eval()
-    for param in model.parameters():
-        param.requires_grad_(False)
-    return TrainedPolicy(model, Reference(model), tokenizer, label)
+    return TrainedPolicy(freeze(model), Reference(model), tokenizer, label)
 
 
 def load_scorer(recipe: Recipe, run: RunDir, device: torch.device) -> RewardScorer | None:
@@ -110,11 +106,10 @@ def load_scorer(recipe: Recipe, run: RunDir, device: torch.device) -> RewardScor
         path, tok = reward_source(recipe, run, {})
     except StageError:
         return None
-    model = load_reward_model(path, device, recipe.reward.dtype, recipe.reward.trust_remote_code)
+    model = freeze(load_reward_model(path, device, recipe.reward.dtype,
+                                     recipe.reward.trust_remote_code))
     set_dropout(model, 0.0)
-    for param in model.parameters():
-        param.requires_grad_(False)
-    return RewardScorer(model.eval(), load_tokenizer(tok, recipe.reward.trust_remote_code,
+    return RewardScorer(model, load_tokenizer(tok, recipe.reward.trust_remote_code,
                                                      "right"),
                         recipe.reward.template, recipe.reward.max_length,
                         recipe.reward.score_batch_size)
