@@ -18,6 +18,7 @@ from rlhf_cli.modeling import pick_device
 from rlhf_cli.ppo.rollout import stop_token_ids
 from rlhf_cli.recipe import AuditSection, Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json
+from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import load_scorer, load_trained_policy
 
 
@@ -71,6 +72,7 @@ def run_audit(recipe: Recipe, console: Console, checkpoint: Path | None = None,
         label = responses_file.stem
     else:
         device = pick_device(recipe.run.device)
+        seed_everything(recipe.run.seed)  # the same audit twice samples the same responses
         policy = load_trained_policy(recipe, run, device, checkpoint)
         label = policy.label if checkpoint is not None else "ppo"
         with console.status(f"auditing {label}: sampling {cfg.samples} responses per prompt"):
