@@ -11,7 +11,7 @@ RECIPE ?= recipes/tiny.yaml
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: install demo test lint bench bench-peer docs clean
+.PHONY: install demo test lint format bench bench-peer docs clean
 
 install: $(STAMP)
 
@@ -48,8 +48,15 @@ bench: $(STAMP)
 bench-peer: $(STAMP)
 	$(PY) bench/bench_peer.py --out bench/peer.json
 
+LINTED := rlhf_cli tests scripts bench
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check rlhf_cli tests scripts bench
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix $(LINTED)
+	$(VENV)/bin/ruff format $(LINTED)
 
 docs: $(STAMP)
 	$(PY) -m rlhf_cli.recipe > docs/recipes.md

@@ -116,9 +116,9 @@ def child_setup(s: Settings) -> None:
     """Quiet libraries; pin the thread count when asked."""
     import torch
 
-    from rlhf_cli.cli import _quiet_libraries
+    from rlhf_cli.tracking import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     if s.threads:
         torch.set_num_threads(s.threads)
 
@@ -127,11 +127,11 @@ def train_reward_model(work: Path) -> dict[str, Any]:
     """`rlhf train-rm` on recipes/tiny.yaml (the MiniLM reward model), as bench_ppo's tiny step."""
     from rich.console import Console
 
-    from rlhf_cli.cli import _quiet_libraries
     from rlhf_cli.recipe import load_recipe
     from rlhf_cli.stages.reward import run_train_rm
+    from rlhf_cli.tracking import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     start = time.perf_counter()
     manifest = run_train_rm(load_recipe(recipe_for("tiny", work, 1)),
                             Console(stderr=True, quiet=True))
@@ -347,8 +347,8 @@ def recipe_facts(s: Settings, work: Path) -> dict[str, Any]:
     """The prompts that pass the recipe's filters (and their token lengths under the chat
     template), and the optimisation settings both trainers take from the recipe."""
     from rlhf_cli.data import load_prompts
+    from rlhf_cli.generation import tokenize_prompts
     from rlhf_cli.modeling import load_tokenizer
-    from rlhf_cli.ppo.rollout import tokenize_prompts
     from rlhf_cli.recipe import load_recipe
 
     (work / "facts").mkdir(parents=True, exist_ok=True)
@@ -424,9 +424,9 @@ def main() -> None:
                        "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
         os.environ.setdefault(key, value)
 
-    from rlhf_cli.cli import _quiet_libraries
+    from rlhf_cli.tracking import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     load_at_start = os.getloadavg()
     if load_at_start[0] > 0.5:
         print(f"bench-peer: load average {load_at_start[0]:.2f}: other processes are running, "

@@ -80,12 +80,11 @@ def one(name: str, work: Path, iterations: int) -> dict:
     """Run in a child process: PPO on one configuration, its figures as a dict."""
     from rich.console import Console
 
-    from rlhf_cli.cli import _quiet_libraries
     from rlhf_cli.recipe import load_recipe
     from rlhf_cli.stages.ppo import run_ppo
-    from rlhf_cli.tracking import read_metrics
+    from rlhf_cli.tracking import quiet_libraries, read_metrics
 
-    _quiet_libraries()
+    quiet_libraries()
     quiet = Console(stderr=True, quiet=True)
     recipe = load_recipe(recipe_for(name, work, iterations))
     if name == "tiny":

@@ -86,12 +86,11 @@ def check(shape: str, iterations: int) -> dict:
     import torch
     from rich.console import Console
 
-    from rlhf_cli.cli import _quiet_libraries
     from rlhf_cli.recipe import load_recipe
     from rlhf_cli.stages.ppo import run_ppo
-    from rlhf_cli.tracking import read_metrics
+    from rlhf_cli.tracking import quiet_libraries, read_metrics
 
-    _quiet_libraries()
+    quiet_libraries()
     with tempfile.TemporaryDirectory(prefix=f"gpu-{shape}-") as work:
         start = time.perf_counter()
         r = load_recipe(recipe(shape, Path(work), iterations))

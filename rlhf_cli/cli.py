@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -23,8 +22,8 @@ from rich.table import Table
 
 from rlhf_cli.errors import RecipeError, RlhfError
 from rlhf_cli.recipe import Recipe, default_recipe_path, load_recipe
-from rlhf_cli.rundir import RunDir
-from rlhf_cli.tracking import make_console
+from rlhf_cli.rundir import RunDir, recipe_near
+from rlhf_cli.tracking import make_console, quiet_libraries
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="The four-stage RLHF pipeline (SFT, reward model, PPO, audit) from one "
@@ -61,15 +60,6 @@ def _exit_on_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _quiet_libraries() -> None:
-    """Library chatter (load reports, shard bars) would drown the stage's own progress."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
 def resolve_recipe(recipe: Path | None, runs_dir: Path) -> Recipe:
     """--recipe, else the latest run's snapshot, else the embedded default."""
     if recipe is not None:
@@ -97,7 +87,7 @@ def _emit(manifest: dict[str, Any], as_json: bool, quiet: bool, title: str) -> N
 
 def _stage(run_fn: Callable[[Recipe, Any], dict[str, Any]], stage: str, recipe: Path | None,
            as_json: bool, quiet: bool, runs_dir: Path) -> None:
-    _quiet_libraries()
+    quiet_libraries()
     resolved = resolve_recipe(recipe, runs_dir)
     manifest = run_fn(resolved, make_console(quiet, as_json))
     manifest = {**manifest, "dir": str(RunDir.for_recipe(resolved).stage_dir(stage))}
@@ -148,16 +138,6 @@ def ppo(recipe: RecipeOpt = None, resume: Annotated[bool, typer.Option(
     _stage(functools.partial(run_ppo, resume=resume), "ppo", recipe, as_json, quiet, runs_dir)
 
 
-def _recipe_near(path: Path | None) -> Path | None:
-    """The recipe snapshot of the run a checkpoint or file lives in (`runs/<name>/recipe.yaml`)."""
-    if path is None:
-        return None
-    for folder in [path.resolve(), *path.resolve().parents]:
-        if (folder / "recipe.yaml").is_file() and folder.parent.joinpath("LATEST").exists():
-            return folder / "recipe.yaml"
-    return None
-
-
 @app.command()
 @_exit_on_errors
 def audit(checkpoint: Annotated[Path | None, typer.Argument(
@@ -174,8 +154,8 @@ def audit(checkpoint: Annotated[Path | None, typer.Argument(
     from rlhf_cli.errors import HackingDetected
     from rlhf_cli.stages.audit import run_audit
 
-    _quiet_libraries()
-    resolved = resolve_recipe(recipe or _recipe_near(checkpoint), runs_dir)
+    quiet_libraries()
+    resolved = resolve_recipe(recipe or recipe_near(checkpoint), runs_dir)
     report = run_audit(resolved, make_console(quiet, as_json), checkpoint, responses, samples)
     if as_json:
         typer.echo(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
@@ -230,14 +210,9 @@ def report(run: Annotated[str | None, typer.Argument(
                help="Run name (default: the latest run).")] = None,
            as_json: JsonOpt = False, runs_dir: RunsOpt = Path("runs")) -> None:
     """Plot a run's PPO curves to ppo/report.png and ppo/report.html."""
-    from rlhf_cli.errors import StageError
     from rlhf_cli.stages.report import run_report
 
-    target = RunDir(runs_dir, run) if run else RunDir.latest(runs_dir)
-    if target is None or not target.path.is_dir():
-        raise StageError(f"no run {'named ' + repr(run) if run else 'yet'} under {runs_dir}: "
-                         "run `rlhf sft` first")
-    paths = run_report(target)
+    paths = run_report(RunDir.named_or_latest(runs_dir, run))
     typer.echo(json.dumps(paths) if as_json else f"wrote {paths['png']} and {paths['html']}")
 
 
@@ -251,7 +226,7 @@ def compare(prompt: Annotated[list[str] | None, typer.Option(
     """The guide's quick inference test: SFT vs PPO answers with their reward scores."""
     from rlhf_cli.stages.compare import run_compare
 
-    _quiet_libraries()
+    quiet_libraries()
     rows = run_compare(resolve_recipe(recipe, runs_dir), prompt)
     if as_json:
         typer.echo(json.dumps(rows, indent=2))

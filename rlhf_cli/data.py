@@ -7,16 +7,19 @@ Row shapes understood:
   `chosen`/`rejected` (split at the last assistant turn into a shared prompt and two responses).
 - SFT: `messages` (chat), `prompt`/`response` (also `prompt`/`completion`, `instruction`/`output`),
   or `text`.
+- audit: prompts from the recipe or a text file (one a line); responses generated elsewhere as
+  JSONL rows with `prompt` and `response`.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
 
 from rlhf_cli.errors import DataError
-from rlhf_cli.recipe import DataSource, PromptSource
+from rlhf_cli.recipe import AuditSection, DataSource, PromptSource
 
 HH_HUMAN = "\n\nHuman:"
 HH_ASSISTANT = "\n\nAssistant:"
@@ -150,3 +153,41 @@ def split_eval(rows: list[Any], fraction: float, seed: int) -> tuple[list[Any], 
     random.Random(seed).shuffle(order)
     n_eval = min(max(1, round(len(rows) * fraction)), len(rows) - 1)
     return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]
+
+
+def audit_prompts(cfg: AuditSection) -> list[str]:
+    """`audit.prompts_file` (one prompt a line) or else `audit.prompts`."""
+    if cfg.prompts_file:
+        lines = Path(cfg.prompts_file).read_text(encoding="utf-8").splitlines()
+        prompts = [line.strip() for line in lines if line.strip()]
+    else:
+        prompts = list(cfg.prompts)
+    if not prompts:
+        raise DataError("audit: no prompts (audit.prompts or audit.prompts_file)")
+    return prompts
+
+
+def read_responses(path: Path) -> tuple[list[str], list[str]]:
+    """Rows with `prompt` and `response` from a JSONL file."""
+    if not path.is_file():
+        raise DataError(f"--responses: file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:  # a binary file: without this, exit 1 would read as "hacking"
+        raise DataError(f"{path}: not UTF-8 text (JSONL rows with `prompt` and `response`)"
+                        ) from None
+    prompts, responses = [], []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise DataError(f"{path}:{number}: not a JSON object") from None
+        if not isinstance(row, dict) or "response" not in row:
+            raise DataError(f"{path}:{number}: a row needs `prompt` and `response`")
+        prompts.append(str(row.get("prompt", "")))
+        responses.append(str(row["response"]))
+    if not responses:
+        raise DataError(f"{path}: no responses")
+    return prompts, responses

@@ -1,13 +1,21 @@
-"""Error types for user mistakes. The CLI prints each as one line and exits with `exit_code`.
+"""Every user-facing error type, and the exit code the CLI gives it.
 
-Anything that is not an `RlhfError` is a bug and keeps its traceback.
+The CLI prints each as one line (no traceback) and exits with its `exit_code`:
+- 1: `HackingDetected`, the audit found reward hacking (a shell pipeline can gate on it);
+- 2: the run cannot go on as asked: a user mistake (recipe, paths, a missing or failed stage,
+  a busy run, data, a model that cannot load as asked) or the machine (a full disk while
+  checkpointing), or a check that failed before anything was saved (a merge mismatch, a push
+  the hub refused);
+- 3: `NonFiniteError`, training diverged (a checkpoint of the last state was written).
+Ctrl-C exits 130 after the stage has saved what it can. Anything that is not an `RlhfError` is a
+bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 
 class RlhfError(Exception):
-    """A user-facing error: bad input, missing stage, unusable hardware."""
+    """A user-facing error: bad input, missing stage, unusable hardware. Exit 2."""
 
     exit_code = 2
 
@@ -32,7 +40,25 @@ class ModelLoadError(RlhfError):
     """A model cannot be loaded as the recipe asks (e.g. 4-bit where bitsandbytes cannot)."""
 
 
+class CheckpointWriteError(RlhfError):
+    """A checkpoint could not be written (e.g. the disk is full); the previous one is intact."""
+
+
+class MergeMismatch(RlhfError):
+    """The merged model does not reproduce the adapter model; nothing was saved."""
+
+
+class PushError(RlhfError):
+    """The hub refused or could not be reached."""
+
+
 class HackingDetected(RlhfError):
     """The audit found reward hacking: exit 1 so that a shell pipeline can gate on it."""
 
     exit_code = 1
+
+
+class NonFiniteError(RlhfError):
+    """Too many iterations in a row with non-finite rewards or losses: training diverged."""
+
+    exit_code = 3

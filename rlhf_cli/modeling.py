@@ -7,11 +7,16 @@ the policy with its adapter disabled when LoRA is on, so no second copy of the w
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 from rlhf_cli.errors import ModelLoadError
+from rlhf_cli.generation import forward_logits
 from rlhf_cli.recipe import BUILTIN_PREFIX, LoraSection, ModelSection, QuantizationSection
 from rlhf_cli.tiny import BUILTINS
 
@@ -139,6 +144,39 @@ def load_causal_lm(name_or_path: str, model_cfg: ModelSection, device: torch.dev
     if not trainable:
         freeze(model)
     return model
+
+
+def load_sft_model(model_cfg: ModelSection, base: str, sft_adapter: Path | None,
+                   device: torch.device) -> Any:
+    """The SFT model, frozen: base weights with the SFT adapter (if any) merged in. It is the
+    PPO reference, and the base the PPO adapter is trained and merged on."""
+    from peft import PeftModel
+
+    model = load_causal_lm(base, model_cfg.variant(lora=False), device, trainable=False)
+    if sft_adapter is not None:
+        model = PeftModel.from_pretrained(model, str(sft_adapter)).merge_and_unload()
+    return model
+
+
+class Reference:
+    """The frozen reference policy: the policy with its LoRA adapter disabled (no second copy of
+    the weights), or a separate frozen model when the policy has no adapter."""
+
+    def __init__(self, policy: nn.Module, frozen_copy: nn.Module | None = None):
+        self.policy, self.frozen_copy = policy, frozen_copy
+
+    @contextlib.contextmanager
+    def model(self) -> Iterator[nn.Module]:
+        if self.frozen_copy is not None:
+            yield self.frozen_copy
+            return
+        with self.policy.disable_adapter():
+            yield self.policy
+
+    @torch.inference_mode()
+    def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        with self.model() as ref:
+            return forward_logits(ref, input_ids, attention_mask)
 
 
 def load_reward_model(name_or_path: str, device: torch.device, dtype: str = "auto",

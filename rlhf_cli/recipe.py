@@ -144,11 +144,10 @@ class ModelSection(Section):
         return self.model_copy(update=update)
 
 
-class DataSource(Section):
+class _Source(Section):
     path: str = _f(..., "A local .json/.jsonl/.csv/.parquet file or a hub dataset name.")
     split: str = _f("train", "Split to read (hub datasets), e.g. `train` or `train[:3000]`.")
     max_samples: int | None = _f(None, "Keep only the first N rows.", ge=1)
-    eval_fraction: float = _f(0.1, "Share of rows held out for evaluation.", gt=0.0, lt=0.5)
 
     @field_validator("path")
     @classmethod
@@ -156,7 +155,11 @@ class DataSource(Section):
         return _resolve_local(value, info, "data file")
 
 
-class PromptSource(DataSource):
+class DataSource(_Source):
+    eval_fraction: float = _f(0.1, "Share of rows held out for evaluation.", gt=0.0, lt=0.5)
+
+
+class PromptSource(_Source):
     min_words: int = _f(6, "Drop prompts with fewer words (the guide drops 5 words or fewer).",
                         ge=0)
     max_chars: int = _f(512, "Truncate prompt text to this many characters.", gt=0)
@@ -184,7 +187,6 @@ class SftSection(Section):
     max_length: int = _f(1024, "Truncate tokenised examples to this length.", gt=0)
     warmup_ratio: float = _f(0.03, "Share of steps with linear warm-up.", ge=0.0, lt=1.0)
     logging_steps: int = _f(10, "Log training loss every N optimiser steps.", gt=0)
-    eval_steps: int | None = _f(None, "Evaluate every N steps (default: once per epoch).", gt=0)
     full_finetune: bool = _f(False, "Train and save all weights instead of a LoRA adapter "
                              "(for tiny or small models).")
 

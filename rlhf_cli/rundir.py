@@ -100,6 +100,21 @@ class RunDir:
         name = pointer.read_text().strip()
         return cls(output_dir, name) if name and (Path(output_dir) / name).is_dir() else None
 
+    @classmethod
+    def named_or_latest(cls, output_dir: str | Path, name: str | None) -> RunDir:
+        """Run `name` under `output_dir` (default: the latest), or a StageError saying so."""
+        run = cls(output_dir, name) if name else cls.latest(output_dir)
+        if run is None or not run.path.is_dir():
+            raise StageError(f"no run {'named ' + repr(name) if name else 'yet'} under "
+                             f"{output_dir}: run `rlhf sft` first")
+        return run
+
+    @classmethod
+    def of_stage_dir(cls, folder: Path) -> tuple[RunDir, str]:
+        """The run and stage of a stage folder (`<output_dir>/<name>/<stage>`)."""
+        folder = folder.resolve()
+        return cls(folder.parent.parent, folder.parent.name), folder.name
+
     def stage_dir(self, stage: str) -> Path:
         return self.path / stage
 
@@ -139,10 +154,19 @@ class RunDir:
         raise StageError(f"run '{self.name}': could not take {lock}")
 
     def read_manifest(self, stage: str) -> dict[str, Any] | None:
+        """The stage's manifest, None when there is none, StageError when it is unreadable."""
         path = self.manifest_path(stage)
         if not path.is_file():
             return None
-        return json.loads(path.read_text())
+        try:
+            manifest = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise StageError(f"{path} is unreadable ({exc.__class__.__name__}): run "
+                             f"`{STAGE_COMMANDS.get(stage, 'the ' + stage + ' stage')}` "
+                             "again") from None
+        if not isinstance(manifest, dict):
+            raise StageError(f"{path} is not a manifest (a JSON object)")
+        return manifest
 
     def require(self, stage: str, needed_by: str) -> dict[str, Any]:
         """The completed manifest of `stage`, or a StageError naming the command to run first."""
@@ -247,3 +271,14 @@ class StageRecord:
             if self._lock is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._lock)
+
+
+def recipe_near(path: Path | None) -> Path | None:
+    """The recipe snapshot of the run a checkpoint or file lives in (`<run>/recipe.yaml`, beside
+    which `<output_dir>/LATEST` exists), or None."""
+    if path is None:
+        return None
+    for folder in [path.resolve(), *path.resolve().parents]:
+        if (folder / "recipe.yaml").is_file() and folder.parent.joinpath("LATEST").exists():
+            return folder / "recipe.yaml"
+    return None

@@ -26,6 +26,8 @@ class RewardScorer:
 
     def encode(self, texts: list[str]) -> tuple[list[list[int]], int]:
         """Token ids truncated to `max_length`, and how many texts were truncated."""
+        if not texts:  # fast tokenizers raise on an empty batch
+            return [], 0
         ids = self.tokenizer(texts, truncation=False, add_special_tokens=True)["input_ids"]
         n_truncated = sum(len(x) > self.max_length for x in ids)
         return self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"], \

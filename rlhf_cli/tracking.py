@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,15 @@ from rlhf_cli.errors import RlhfError
 def make_console(quiet: bool = False, json_mode: bool = False) -> Console:
     """Human output goes to stderr so that `--json` leaves stdout to the JSON alone."""
     return Console(stderr=True, quiet=quiet or json_mode, highlight=False)
+
+
+def quiet_libraries() -> None:
+    """Library chatter (load reports, shard bars) would drown the stage's own progress."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
 
 
 def make_progress(console: Console) -> Progress:
@@ -48,8 +58,6 @@ class MetricsWriter:
         self._tb = self._wandb = None
         if not enabled:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle = open(path, "a" if resume else "w", encoding="utf-8")
         for tracker in trackers or []:
             try:
                 if tracker == "tensorboard":
@@ -65,6 +73,8 @@ class MetricsWriter:
                 package = "tensorboard" if tracker == "tensorboard" else "wandb"
                 raise RlhfError(f"run.trackers lists {tracker} but the {package} package is not "
                                 f"installed: pip install {package}") from None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = open(path, "a" if resume else "w", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:

@@ -11,61 +11,55 @@ from rich.console import Console
 from rich.table import Table
 
 from rlhf_cli.audit.detectors import audit_responses
-from rlhf_cli.ppo.models import Reference, position_ids_from
-from rlhf_cli.ppo.rollout import (
-    decode,
-    generate,
+from rlhf_cli.generation import (
+    Generations,
+    Generator,
+    forward_logits,
+    generator_for,
     response_logprobs,
     score_temperature,
     tokenize_prompts,
 )
+from rlhf_cli.modeling import Reference
 from rlhf_cli.recipe import AuditSection
 from rlhf_cli.scoring import RewardScorer
 
 ACTION = "Increase KL coefficient (β) by {step} and recheck in 25 iterations."
 
 
-@torch.inference_mode()
-def _sample(model: Any, tokenizer: Any, queries: list[list[int]], cfg: AuditSection,
-            stop_ids: list[int], batch_size: int) -> tuple[list[str], list[torch.Tensor]]:
-    """Responses, and per batch the tensors needed for the KL: (ids, mask, response ids/mask)."""
-    texts, batches = [], []
-    for start in range(0, len(queries), batch_size):
-        q_ids, q_mask, r_ids, r_mask, _ = generate(model, tokenizer,
-                                                   queries[start:start + batch_size],
-                                                   cfg.generation, stop_ids)
-        texts.extend(decode(tokenizer, r_ids, r_mask))
-        batches.append((q_ids, q_mask, r_ids, r_mask))
-    return texts, batches
+def _sample(generator: Generator, queries: list[list[int]], cfg: AuditSection,
+            batch_size: int) -> list[Generations]:
+    """Answers to `queries` in batches of `batch_size`."""
+    return [generator.generate(queries[start:start + batch_size], cfg.generation)
+            for start in range(0, len(queries), batch_size)]
 
 
 @torch.inference_mode()
-def _kl_to_reference(model: Any, reference: Reference, batches: list[Any],
+def _kl_to_reference(model: Any, reference: Reference, batches: list[Generations],
                      temperature: float) -> float:
     """Mean over responses of Σ_t (log π − log π_ref) on the policy's own samples."""
     totals = []
-    for q_ids, q_mask, r_ids, r_mask in batches:
-        ids = torch.cat([q_ids, r_ids], 1)
-        mask = torch.cat([q_mask, r_mask.long()], 1)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask),
-                       use_cache=False).logits
-        width = q_ids.shape[1]
-        logp, _ = response_logprobs(logits, r_ids, width, temperature)
-        ref_logp, _ = response_logprobs(reference.logits(ids, mask), r_ids, width, temperature)
-        totals.append(((logp - ref_logp) * r_mask).sum(1))
+    for answers in batches:
+        ids, mask, width = answers.input_ids, answers.attention_mask, answers.query_ids.shape[1]
+        logp, _ = response_logprobs(forward_logits(model, ids, mask), answers.response_ids, width,
+                                    temperature)
+        ref_logp, _ = response_logprobs(reference.logits(ids, mask), answers.response_ids, width,
+                                        temperature)
+        totals.append(((logp - ref_logp) * answers.response_mask).sum(1))
     return float(torch.cat(totals).mean())
 
 
 def audit_policy(model: Any, tokenizer: Any, prompts: list[str], cfg: AuditSection, *,
-                 chat: bool, max_tokens: int, stop_ids: list[int],
-                 reference: Reference | None = None, scorer: RewardScorer | None = None,
-                 batch_size: int = 16) -> dict[str, Any]:
-    """The guide's audit report on `cfg.samples` responses per prompt."""
+                 chat: bool, max_tokens: int, reference: Reference | None = None,
+                 scorer: RewardScorer | None = None, batch_size: int = 16) -> dict[str, Any]:
+    """The guide's audit report on `cfg.samples` responses per prompt; with a reward model and
+    the reference, their mean rewards and the policy's KL to the reference too."""
     was_training = model.training
     model.eval()
     asked = [p for p in prompts for _ in range(cfg.samples)]
     queries = tokenize_prompts(tokenizer, asked, chat, max_tokens)
-    responses, batches = _sample(model, tokenizer, queries, cfg, stop_ids, batch_size)
+    batches = _sample(generator_for(model, tokenizer), queries, cfg, batch_size)
+    responses = [text for answers in batches for text in answers.texts]
     report = audit_responses(responses, cfg)
     if scorer is not None:
         report["reward_policy_mean"] = float(scorer.score(asked, responses)[0].mean())
@@ -74,7 +68,8 @@ def audit_policy(model: Any, tokenizer: Any, prompts: list[str], cfg: AuditSecti
         report["kl_to_reference"] = _kl_to_reference(model, reference, batches, temperature)
         if scorer is not None:
             with reference.model() as ref:
-                ref_responses, _ = _sample(ref, tokenizer, queries, cfg, stop_ids, batch_size)
+                ref_batches = _sample(generator_for(ref, tokenizer), queries, cfg, batch_size)
+            ref_responses = [text for answers in ref_batches for text in answers.texts]
             report["reward_reference_mean"] = float(scorer.score(asked, ref_responses)[0].mean())
     report["samples"] = [{"prompt": p, "response": r} for p, r in zip(asked, responses,
                                                                         strict=True)]

@@ -82,9 +82,13 @@ def verify(folder: Path) -> str | None:
         return "no checkpoint.json (incomplete write)"
     try:
         expected = json.loads(index.read_text())["sha256"]
-    except (json.JSONDecodeError, KeyError):
+        names = list(expected.items())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+            AttributeError):
         return "checkpoint.json is unreadable"
-    for name, digest in expected.items():
+    if not names:
+        return "checkpoint.json lists no files"
+    for name, digest in names:
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
@@ -96,7 +100,8 @@ def verify(folder: Path) -> str | None:
 def newest_valid(root: Path) -> tuple[Path | None, list[str]]:
     """The newest whole checkpoint, and a note for each newer one that was skipped."""
     notes = []
-    for folder in sorted(root.glob("iter_*"), reverse=True):
+    folders = [f for f in root.glob("iter_*") if f.is_dir() and f.name[5:].isdigit()]
+    for folder in sorted(folders, key=lambda f: int(f.name[5:]), reverse=True):
         problem = verify(folder)
         if problem is None:
             return folder, notes

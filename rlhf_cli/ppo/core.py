@@ -265,20 +265,6 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
-def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
-    """Log-probability of ``labels`` under ``log_softmax(logits)``. [TRL]
-
-    Args:
-        logits: ``(b, t, vocab)``.
-        labels: ``(b, t)`` long token ids.
-
-    Returns:
-        ``(b, t)``.
-    """
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-
-
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """``1 - var(returns - values) / var(returns)`` over valid elements. [Huang, TRL]
 

@@ -1,7 +1,9 @@
-"""The guide's Part 9 diagnostic table as data, checked on every iteration.
+"""The guide's Part 9 diagnostic table as data: the one place its healthy ranges and danger signs
+live. The console block, `rlhf report`'s shaded bands, the health check below and the table in
+`docs/metrics.md` (checked by a test) all read `RANGES`.
 
-Each rule fires at most once per run: its warning and the guide's fix are printed and recorded
-in the manifest.
+Each danger rule fires at most once per run: its warning and the guide's fix are printed and
+recorded in the manifest.
 """
 
 from __future__ import annotations
@@ -11,6 +13,41 @@ from dataclasses import dataclass
 from typing import Any
 
 History = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Range:
+    """One row of the guide's table. `band` is the numeric healthy range (None where the guide
+    describes a trend instead), `low` / `high` open-ended when None."""
+
+    metric: str
+    healthy: str
+    danger: str
+    fix: str
+    band: tuple[float | None, float | None] | None = None
+
+    def healthy_now(self, value: float) -> bool | None:
+        """Whether `value` lies in the band (None when the row has no numeric band)."""
+        if self.band is None:
+            return None
+        low, high = self.band
+        return (low is None or value >= low) and (high is None or value <= high)
+
+
+RANGES: dict[str, Range] = {r.metric: r for r in [
+    Range("env/reward_mean", "steadily increasing", "flat or decreasing after iteration 50",
+          "Check reward model, reduce KL coef"),
+    Range("objective/kl", "grows slowly, stays < 15", "jumps above 25 suddenly",
+          "Increase β, reduce learning rate", band=(0.0, 15.0)),
+    Range("ppo/loss/policy", "decreasing, stable oscillation",
+          "wild swings, spikes every few iterations", "Reduce LR, reduce mini_batch_size"),
+    Range("ppo/loss/value", "decreasing over the first 100 iterations",
+          "stays above 2.0 after iteration 100", "Increase c₁ (ppo.vf_coef), more ppo_epochs"),
+    Range("objective/clipfrac", "0.10 – 0.35", "> 0.5 or < 0.02",
+          "High: reduce LR. Low: reduce KL coef", band=(0.10, 0.35)),
+    Range("objective/entropy", "slow decrease, stays above 3.0", "collapses to < 1.0 quickly",
+          "Increase c₂ (entropy coefficient, ppo.entropy_coef)", band=(3.0, None)),
+]}
 
 
 @dataclass(frozen=True)
@@ -31,20 +68,23 @@ def _reward_falling(value: float, iteration: int, history: History, window: int 
     return sum(recent) / window < sum(before) / window
 
 
+def _rule(kind: str, metric: str, danger: str, fires: Callable[[float, int, History], bool],
+          fix: str | None = None) -> Rule:
+    return Rule(kind, metric, danger, fix or RANGES[metric].fix, fires)
+
+
 RULES = [
-    Rule("kl_high", "objective/kl", "KL jumped above 25", "Increase β, reduce learning rate",
-         lambda v, it, h: v > 25),
-    Rule("clipfrac_high", "objective/clipfrac", "clip fraction above 0.5", "reduce LR",
-         lambda v, it, h: v > 0.5),
-    Rule("clipfrac_low", "objective/clipfrac", "clip fraction below 0.02 after iteration 10",
-         "reduce KL coef",
-         lambda v, it, h: it >= 10 and v < 0.02),
-    Rule("entropy_collapse", "objective/entropy", "entropy collapsed below 1.0",
-         "Increase c₂ (entropy coefficient, ppo.entropy_coef)", lambda v, it, h: v < 1.0),
-    Rule("value_loss_high", "ppo/loss/value", "value loss above 2.0 after iteration 100",
-         "Increase c₁ (ppo.vf_coef), more ppo_epochs", lambda v, it, h: it >= 100 and v > 2.0),
-    Rule("reward_falling", "env/reward_mean", "mean reward falling after iteration 50",
-         "Check reward model, reduce KL coef", _reward_falling),
+    _rule("kl_high", "objective/kl", "KL jumped above 25", lambda v, it, h: v > 25),
+    _rule("clipfrac_high", "objective/clipfrac", "clip fraction above 0.5",
+          lambda v, it, h: v > 0.5, fix="reduce LR"),
+    _rule("clipfrac_low", "objective/clipfrac", "clip fraction below 0.02 after iteration 10",
+          lambda v, it, h: it >= 10 and v < 0.02, fix="reduce KL coef"),
+    _rule("entropy_collapse", "objective/entropy", "entropy collapsed below 1.0",
+          lambda v, it, h: v < 1.0),
+    _rule("value_loss_high", "ppo/loss/value", "value loss above 2.0 after iteration 100",
+          lambda v, it, h: it >= 100 and v > 2.0),
+    _rule("reward_falling", "env/reward_mean", "mean reward falling after iteration 50",
+          _reward_falling),
 ]
 
 
@@ -64,3 +104,21 @@ class HealthMonitor:
                 fired.append(f"iteration {iteration}: {rule.danger} ({rule.metric} = "
                              f"{float(value):.4g}). Fix: {rule.fix}")
         return fired
+
+
+def _band_text(band: tuple[float | None, float | None] | None) -> str:
+    if band is None:
+        return "—"
+    low, high = band
+    if high is None:
+        return f"≥ {low:g}"
+    return f"≤ {high:g}" if low is None else f"{low:g} – {high:g}"
+
+
+def ranges_markdown() -> str:
+    """The table of `docs/metrics.md`'s "Healthy ranges" section."""
+    lines = ["| metric (key here) | healthy | band checked | danger sign | fix |",
+             "|---|---|---|---|---|"]
+    lines += [f"| `{r.metric}` | {r.healthy} | {_band_text(r.band)} | {r.danger} | {r.fix} |"
+              for r in RANGES.values()]
+    return "\n".join(lines)

@@ -8,18 +8,11 @@ a far lower value loss). Value heads start at zero, so the first values are 0 ra
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
-
-def position_ids_from(attention_mask: Tensor) -> Tensor:
-    """Positions counted over real tokens only: left-padded rows start at 0 on their first token,
-    exactly as `generate()` numbers them, so every forward pass sees generation's positions."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+from rlhf_cli.generation import position_ids_from
 
 
 def zero_value_head(hidden_size: int) -> nn.Linear:
@@ -70,32 +63,6 @@ class PolicyAndValue(nn.Module):
 
     def load_value_state_dict(self, state: dict[str, Tensor]) -> None:
         (self.value_head if self.critic is None else self.critic).load_state_dict(state)
-
-
-class Reference:
-    """The frozen reference policy: the policy with its LoRA adapter disabled (no second copy of
-    the weights), or a separate frozen model when the policy has no adapter."""
-
-    def __init__(self, policy: nn.Module, frozen_copy: nn.Module | None = None):
-        self.policy, self.frozen_copy = policy, frozen_copy
-
-    @contextlib.contextmanager
-    def model(self) -> Iterator[nn.Module]:
-        if self.frozen_copy is not None:
-            yield self.frozen_copy
-            return
-        with self.policy.disable_adapter():
-            yield self.policy
-
-    @torch.inference_mode()
-    def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        with self.model() as ref:
-            return ref(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids_from(attention_mask), use_cache=False).logits
-
-
-def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module.parameters() if p.requires_grad]
 
 
 def hidden_size_of(model: Any) -> int:

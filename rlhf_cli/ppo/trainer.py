@@ -19,25 +19,17 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from rlhf_cli.errors import RlhfError
+from rlhf_cli.errors import CheckpointWriteError, NonFiniteError
+from rlhf_cli.generation import Generator, response_logprobs, score_temperature
+from rlhf_cli.modeling import Reference
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.checkpoint import save_checkpoint
-from rlhf_cli.ppo.health import HealthMonitor
-from rlhf_cli.ppo.models import PolicyAndValue, Reference
-from rlhf_cli.ppo.rollout import Rollout, collect_rollout, response_logprobs, score_temperature
+from rlhf_cli.ppo.health import RANGES, HealthMonitor
+from rlhf_cli.ppo.models import PolicyAndValue
+from rlhf_cli.ppo.rollout import Rollout, collect_rollout
 from rlhf_cli.recipe import PpoSection
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.tracking import MetricsWriter, make_progress
-
-
-class CheckpointWriteError(RlhfError):
-    """A checkpoint could not be written (e.g. the disk is full)."""
-
-
-class NonFiniteError(RlhfError):
-    """Too many iterations in a row with non-finite rewards or losses: training diverged."""
-
-    exit_code = 3
 
 
 @dataclass
@@ -49,10 +41,10 @@ class PPOContext:
     actor: Any  # PolicyAndValue, possibly wrapped by DDP
     reference: Reference
     scorer: RewardScorer
+    generator: Generator
     tokenizer: Any
     prompts: list[str]
     queries: list[list[int]]
-    stop_ids: list[int]
     optimizer: Any
     scheduler: Any
     kl_ctl: Any
@@ -109,7 +101,7 @@ def ppo_update(ctx: PPOContext, rollout: Rollout, advantages: torch.Tensor,
     width, temperature = rollout.query_ids.shape[1], score_temperature(cfg.generation)
     b = rollout.response_ids.shape[0]
     local_mb = max(1, cfg.mini_batch_size // acc.num_processes)
-    params = [p for p in actor.parameters() if p.requires_grad]
+    params = [p for group in ctx.optimizer.param_groups for p in group["params"]]
     skipped = micro = 0
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(b)
@@ -238,78 +230,92 @@ def checkpoint(ctx: PPOContext, iteration: int) -> Path | None:
 
 
 def log_block(ctx: PPOContext, iteration: int, m: dict[str, float], rollout: Rollout) -> None:
-    """The guide's every-N-iterations health block, with a sample prompt and response."""
-    ok = "[green]ok[/]"
-    warn = "[yellow]check[/]"
+    """The guide's every-N-iterations health block, with a sample prompt and response; each
+    value with a healthy band (`health.RANGES`) is marked ok or check."""
+
+    def mark(key: str) -> str:
+        healthy = RANGES[key].healthy_now(m[key]) if key in RANGES and key in m else None
+        return {True: " [green]ok[/]", False: " [yellow]check[/]", None: ""}[healthy]
+
     c = ctx.console
     c.print(f"\n--- Iteration {iteration:4d} ---")
-    c.print(f"  Avg Reward:    {m['env/reward_mean']:+.4f}")
-    c.print(f"  KL Divergence: {m['objective/kl']:.4f} {ok if m['objective/kl'] < 10 else warn}")
-    c.print(f"  KL Coef (β):   {m['objective/kl_coef']:.4f}")
-    c.print(f"  Policy Loss:   {m.get('ppo/loss/policy', float('nan')):.4f}")
-    c.print(f"  Value Loss:    {m.get('ppo/loss/value', float('nan')):.4f}")
-    c.print(f"  Entropy:       {m['objective/entropy']:.4f}")
-    clip = m.get("objective/clipfrac", 0.0)
-    c.print(f"  Clip Fraction: {clip:.4f} {ok if 0.1 < clip < 0.4 else warn}")
+    rows = [("Avg Reward", "env/reward_mean", "+.4f"), ("KL Divergence", "objective/kl", ".4f"),
+            ("KL Coef (β)", "objective/kl_coef", ".4f"), ("Policy Loss", "ppo/loss/policy", ".4f"),
+            ("Value Loss", "ppo/loss/value", ".4f"), ("Entropy", "objective/entropy", ".4f"),
+            ("Clip Fraction", "objective/clipfrac", ".4f")]
+    for label, key, fmt in rows:
+        c.print(f"  {label + ':':<15}{format(m.get(key, float('nan')), fmt)}{mark(key)}")
     c.print(f"  Sample prompt:   {rollout.prompts[0][:60]}", markup=False)
-    c.print(f"  Sample response: {rollout.responses[0][:120]}", markup=False)
+    c.print(f"  Sample response: {rollout.texts[0][:120]}", markup=False)
+
+
+def run_iteration(ctx: PPOContext, iteration: int) -> tuple[dict[str, float], Rollout,
+                                                               torch.Tensor]:
+    """One PPO iteration: rollout, advantages, K epochs of updates, β update. Returns the
+    iteration's metrics, its rollout and the per-token KL (b, r) the rewards were shaped with."""
+    cfg, acc = ctx.cfg, ctx.accelerator
+    t0 = time.perf_counter()
+    # 1. Rollout: sample prompts, generate, score, old log-probs, values, reference.
+    index = sample_batch(ctx)
+    rollout = collect_rollout(ctx.unwrapped, ctx.reference, ctx.scorer, ctx.generator,
+                              [ctx.prompts[i] for i in index], [ctx.queries[i] for i in index],
+                              cfg)
+    # 2. Advantages from KL-shaped rewards (β as it stands at this iteration).
+    kl_coef = ctx.kl_ctl.value
+    rewards, kl, advantages, returns = advantages_of(rollout, kl_coef, cfg)
+    # 3. Update: K epochs over shuffled mini-batches.
+    t_update = time.perf_counter()
+    stats = ppo_update(ctx, rollout, advantages, returns)
+    update_s = time.perf_counter() - t_update
+    # 4. β moves once per iteration, toward the target KL.
+    metrics = iteration_metrics(ctx, rollout, kl, rewards, returns, kl_coef, stats)
+    if math.isfinite(metrics["objective/kl"]):
+        ctx.kl_ctl.update(metrics["objective/kl"], cfg.batch_size)
+    n_tokens = float(acc.reduce(rollout.response_mask.sum().float(), "sum"))
+    metrics.update({**rollout.timings, "time/update_s": update_s,
+                    "time/iteration_s": time.perf_counter() - t0,
+                    "tokens/generated_per_s": n_tokens / rollout.timings["time/rollout_s"],
+                    "iteration": iteration})
+    return metrics, rollout, kl
+
+
+def record_iteration(ctx: PPOContext, iteration: int, metrics: dict[str, float],
+                     rollout: Rollout, kl: torch.Tensor) -> None:
+    """Main process: metrics.jsonl, the truncation warning, health rules, the console block and
+    samples.jsonl every `log_every` iterations."""
+    ctx.writer.log(metrics, step=iteration)
+    if rollout.n_truncated and "reward_truncation" not in ctx.health.seen:
+        ctx.health.seen.add("reward_truncation")
+        ctx.on_warning(f"iteration {iteration}: {rollout.n_truncated} of "
+                       f"{len(rollout.prompts)} reward inputs were longer than "
+                       "reward.max_length and truncated (reward/truncated_inputs counts them "
+                       "each iteration)")
+    for message in ctx.health.check(metrics, iteration, ctx.history):
+        ctx.console.print(f"[yellow]health[/]: {message}", markup=True)
+        ctx.on_warning(message)
+    if iteration % ctx.cfg.log_every == 0 or iteration == 1:
+        log_block(ctx, iteration, metrics, rollout)
+        _write_samples(ctx, iteration, rollout, kl)
 
 
 def train(ctx: PPOContext, start_iteration: int = 0) -> dict[str, Any]:
-    """Run iterations `start_iteration+1 .. cfg.iterations`; return a summary."""
+    """Run iterations `start_iteration+1 .. cfg.iterations`; return a summary. Ctrl-C or
+    SIGTERM finishes the iteration and checkpoints; divergence checkpoints and raises."""
     cfg, acc = ctx.cfg, ctx.accelerator
-    is_main = acc.is_main_process
     progress = make_progress(ctx.console)
     nonfinite_streak = 0
     with graceful_stop(ctx.console) as stop, progress:
         task = progress.add_task("ppo", total=cfg.iterations, completed=start_iteration, info="")
         for iteration in range(start_iteration + 1, cfg.iterations + 1):
-            t0 = time.perf_counter()
-            # 1. Rollout: sample prompts, generate, score, old log-probs, values, reference.
-            index = sample_batch(ctx)
-            rollout = collect_rollout(
-                ctx.unwrapped, ctx.reference, ctx.scorer, ctx.tokenizer,
-                [ctx.prompts[i] for i in index], [ctx.queries[i] for i in index],
-                cfg.generation, ctx.stop_ids, cfg.missing_eos_penalty, cfg.reward_clip,
-                mini_batch_size=max(1, cfg.mini_batch_size))
-            # 2. Advantages from KL-shaped rewards (β as it stands at this iteration).
-            kl_coef = ctx.kl_ctl.value
-            rewards, kl, advantages, returns = advantages_of(rollout, kl_coef, cfg)
-            # 3. Update: K epochs over shuffled mini-batches.
-            t_update = time.perf_counter()
-            stats = ppo_update(ctx, rollout, advantages, returns)
-            update_s = time.perf_counter() - t_update
-            # 4. β moves once per iteration, toward the target KL.
-            metrics = iteration_metrics(ctx, rollout, kl, rewards, returns, kl_coef, stats)
-            if math.isfinite(metrics["objective/kl"]):
-                ctx.kl_ctl.update(metrics["objective/kl"], cfg.batch_size)
+            metrics, rollout, kl = run_iteration(ctx, iteration)
             nonfinite_streak = nonfinite_streak + 1 if not _finite(metrics) else 0
-            # 5. Log, check health, checkpoint.
-            iteration_s = time.perf_counter() - t0
-            n_tokens = float(acc.reduce(rollout.response_mask.sum().float(), "sum"))
-            metrics.update({**rollout.timings, "time/update_s": update_s,
-                            "time/iteration_s": iteration_s,
-                            "tokens/generated_per_s": n_tokens / rollout.timings[
-                                "time/rollout_s"], "iteration": iteration})
             metrics.update(_audit_metrics(ctx, iteration))
             ctx.history.append(metrics)
-            if is_main:
-                ctx.writer.log(metrics, step=iteration)
-                if rollout.n_truncated and "reward_truncation" not in ctx.health.seen:
-                    ctx.health.seen.add("reward_truncation")
-                    ctx.on_warning(f"iteration {iteration}: {rollout.n_truncated} of "
-                                   f"{len(rollout.prompts)} reward inputs were longer than "
-                                   "reward.max_length and truncated (reward/truncated_inputs "
-                                   "counts them each iteration)")
-                for message in ctx.health.check(metrics, iteration, ctx.history):
-                    ctx.console.print(f"[yellow]health[/]: {message}", markup=True)
-                    ctx.on_warning(message)
-                if iteration % cfg.log_every == 0 or iteration == 1:
-                    log_block(ctx, iteration, metrics, rollout)
-                    _write_samples(ctx, iteration, rollout, kl)
+            if acc.is_main_process:
+                record_iteration(ctx, iteration, metrics, rollout, kl)
             progress.update(task, completed=iteration, info=(
                 f"reward {metrics['env/reward_mean']:+.3f}  kl {metrics['objective/kl']:.3f}  "
-                f"β {kl_coef:.4f}"))
+                f"β {metrics['objective/kl_coef']:.4f}"))
             if nonfinite_streak >= ctx.max_nonfinite:
                 checkpoint(ctx, iteration)
                 raise NonFiniteError(
@@ -354,7 +360,7 @@ def _finite(metrics: dict[str, float]) -> bool:
 def _write_samples(ctx: PPOContext, iteration: int, rollout: Rollout, kl: torch.Tensor) -> None:
     """The guide: read 10 actual generated responses every so often."""
     for i in range(min(10, len(rollout.prompts))):
-        ctx.samples.log({"prompt": rollout.prompts[i], "response": rollout.responses[i],
+        ctx.samples.log({"prompt": rollout.prompts[i], "response": rollout.texts[i],
                          "score": float(rollout.scores[i]), "kl": float(kl[i].sum())},
                         step=iteration)
 

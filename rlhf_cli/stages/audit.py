@@ -5,7 +5,6 @@ Exit code 1 when hacking is detected, so the command gates a shell pipeline.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,50 +12,12 @@ from rich.console import Console
 
 from rlhf_cli.audit.detectors import audit_responses
 from rlhf_cli.audit.measure import audit_policy, render_report
-from rlhf_cli.errors import DataError
+from rlhf_cli.data import audit_prompts, read_responses
 from rlhf_cli.modeling import pick_device
-from rlhf_cli.ppo.rollout import stop_token_ids
-from rlhf_cli.recipe import AuditSection, Recipe
+from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import load_scorer, load_trained_policy
-
-
-def audit_prompts(cfg: AuditSection) -> list[str]:
-    if cfg.prompts_file:
-        lines = Path(cfg.prompts_file).read_text(encoding="utf-8").splitlines()
-        prompts = [line.strip() for line in lines if line.strip()]
-    else:
-        prompts = list(cfg.prompts)
-    if not prompts:
-        raise DataError("audit: no prompts (audit.prompts or audit.prompts_file)")
-    return prompts
-
-
-def read_responses(path: Path) -> tuple[list[str], list[str]]:
-    """Rows with `prompt` and `response` from a JSONL file."""
-    if not path.is_file():
-        raise DataError(f"--responses: file not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:  # a binary file: without this, exit 1 would read as "hacking"
-        raise DataError(f"{path}: not UTF-8 text (JSONL rows with `prompt` and `response`)"
-                        ) from None
-    prompts, responses = [], []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise DataError(f"{path}:{number}: not a JSON object") from None
-        if not isinstance(row, dict) or "response" not in row:
-            raise DataError(f"{path}:{number}: a row needs `prompt` and `response`")
-        prompts.append(str(row.get("prompt", "")))
-        responses.append(str(row["response"]))
-    if not responses:
-        raise DataError(f"{path}: no responses")
-    return prompts, responses
 
 
 def run_audit(recipe: Recipe, console: Console, checkpoint: Path | None = None,
@@ -80,7 +41,6 @@ def run_audit(recipe: Recipe, console: Console, checkpoint: Path | None = None,
                 policy.model, policy.tokenizer, audit_prompts(cfg), cfg,
                 chat=recipe.model.prompt_format == "chat",
                 max_tokens=recipe.data.prompts.max_tokens,
-                stop_ids=stop_token_ids(policy.tokenizer, policy.model),
                 reference=policy.reference, scorer=load_scorer(recipe, run, device))
     report["audited"] = str(responses_file or checkpoint or run.stage_dir("ppo"))
     earlier = (run.read_manifest("audit") or {}).get("outputs", {})

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from rlhf_cli.data import audit_prompts
 from rlhf_cli.errors import StageError
+from rlhf_cli.generation import generator_for, tokenize_prompts
 from rlhf_cli.modeling import pick_device
-from rlhf_cli.ppo.rollout import decode, generate, stop_token_ids, tokenize_prompts
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir
-from rlhf_cli.stages.audit import audit_prompts
+from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import load_scorer, load_trained_policy
 
 
 def run_compare(recipe: Recipe, prompts: list[str] | None = None) -> list[dict[str, Any]]:
-    """For each prompt: the SFT (reference) answer, the PPO answer, and their reward scores."""
+    """For each prompt: the SFT (reference) answer, the PPO answer, and their reward scores.
+    Seeded from `run.seed`, like the audit: the same call twice gives the same answers."""
     run = RunDir.for_recipe(recipe)
     device = pick_device(recipe.run.device)
+    seed_everything(recipe.run.seed)
     policy = load_trained_policy(recipe, run, device)
     if policy.reference is None:
         raise StageError("compare needs the SFT model of the run as reference")
@@ -27,14 +28,9 @@ def run_compare(recipe: Recipe, prompts: list[str] | None = None) -> list[dict[s
     gen = recipe.audit.generation
     queries = tokenize_prompts(policy.tokenizer, prompts, recipe.model.prompt_format == "chat",
                                recipe.data.prompts.max_tokens)
-    stops = stop_token_ids(policy.tokenizer, policy.model)
-    answers = {}
-    with torch.inference_mode():
-        _, _, ids, mask, _ = generate(policy.model, policy.tokenizer, queries, gen, stops)
-        answers["ppo"] = decode(policy.tokenizer, ids, mask)
-        with policy.reference.model() as ref:
-            _, _, ids, mask, _ = generate(ref, policy.tokenizer, queries, gen, stops)
-        answers["sft"] = decode(policy.tokenizer, ids, mask)
+    answers = {"ppo": generator_for(policy.model, policy.tokenizer).generate(queries, gen).texts}
+    with policy.reference.model() as ref:
+        answers["sft"] = generator_for(ref, policy.tokenizer).generate(queries, gen).texts
     rows = [{"prompt": p, "sft": s, "ppo": q}
             for p, s, q in zip(prompts, answers["sft"], answers["ppo"], strict=True)]
     if scorer is not None:

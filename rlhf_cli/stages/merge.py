@@ -13,18 +13,13 @@ from typing import Any, Literal
 import torch
 from rich.console import Console
 
-from rlhf_cli.errors import RlhfError, StageError
-from rlhf_cli.modeling import load_tokenizer, pick_device
-from rlhf_cli.ppo.models import position_ids_from
-from rlhf_cli.ppo.rollout import left_pad, tokenize_prompts
+from rlhf_cli.data import audit_prompts
+from rlhf_cli.errors import MergeMismatch, StageError
+from rlhf_cli.generation import forward_logits, left_pad, tokenize_prompts
+from rlhf_cli.modeling import load_sft_model, load_tokenizer, pick_device
 from rlhf_cli.recipe import ModelSection, Recipe
 from rlhf_cli.rundir import RunDir, StageRecord
-from rlhf_cli.stages.audit import audit_prompts
-from rlhf_cli.stages.ppo import load_sft_model, policy_source
-
-
-class MergeMismatch(RlhfError):
-    """The merged model does not reproduce the adapter model."""
+from rlhf_cli.stages.trained import policy_source
 
 
 def merge_model_config(recipe: Recipe) -> ModelSection:
@@ -34,8 +29,7 @@ def merge_model_config(recipe: Recipe) -> ModelSection:
 
 @torch.inference_mode()
 def _logits(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask))
-    return out.logits.float()[mask.bool()]
+    return forward_logits(model, ids, mask).float()[mask.bool()]
 
 
 def run_merge(recipe: Recipe, console: Console,
@@ -51,7 +45,7 @@ def run_merge(recipe: Recipe, console: Console,
     adapter = run.resolve_output(stage, manifest, "adapter")
     device = pick_device(recipe.run.device)
     model_cfg = merge_model_config(recipe)
-    base, sft_adapter, tok_source = policy_source(recipe, run, {})
+    base, sft_adapter, tok_source = policy_source(recipe, run, {}, "rlhf merge")
     inputs = {stage: run.input_record(stage)}
     with StageRecord(run, "merged", recipe, inputs=inputs) as record:
         # 1. Base in full precision (the SFT model for a PPO adapter), then the adapter.

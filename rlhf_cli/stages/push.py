@@ -12,14 +12,10 @@ from typing import Any
 
 from rich.console import Console
 
-from rlhf_cli.errors import RlhfError, StageError
+from rlhf_cli.errors import PushError, StageError
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes
 from rlhf_cli.tracking import read_metrics
-
-
-class PushError(RlhfError):
-    """The hub refused or could not be reached."""
 
 
 def hub_token() -> str | None:

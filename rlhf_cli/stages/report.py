@@ -1,6 +1,6 @@
 """`rlhf report`: a run's metrics.jsonl as pictures (PNG + an HTML page with the summaries).
 
-The guide's healthy ranges (Part 9) are shaded; in-training audits are marked.
+The guide's healthy ranges (Part 9, `ppo/health.py`) are shaded; in-training audits are marked.
 """
 
 from __future__ import annotations
@@ -12,22 +12,37 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.errors import StageError
+from rlhf_cli.ppo.health import RANGES
 from rlhf_cli.rundir import RunDir, atomic_write_bytes
 from rlhf_cli.tracking import read_metrics
 
-# (title, metric keys, healthy band or None)
+# (title, metric keys); a panel whose first key has a healthy band in `health.RANGES` shades it
 PANELS = [
-    ("Reward (env/reward_mean)", ["env/reward_mean"], None),
-    ("KL to reference (nats)", ["objective/kl"], (0.0, 15.0)),
-    ("KL coefficient β", ["objective/kl_coef"], None),
-    ("Policy and value loss", ["ppo/loss/policy", "ppo/loss/value"], None),
-    ("Entropy (per token)", ["objective/entropy"], (3.0, None)),
-    ("Clip fraction", ["objective/clipfrac"], (0.10, 0.35)),
-    ("Response length (tokens)", ["response/length_mean"], None),
+    ("Reward (env/reward_mean)", ["env/reward_mean"]),
+    ("KL to reference (nats)", ["objective/kl"]),
+    ("KL coefficient β", ["objective/kl_coef"]),
+    ("Policy and value loss", ["ppo/loss/policy", "ppo/loss/value"]),
+    ("Entropy (per token)", ["objective/entropy"]),
+    ("Clip fraction", ["objective/clipfrac"]),
+    ("Response length (tokens)", ["response/length_mean"]),
 ]
 
 
+def band_limits(values: list[float | None], band: tuple[float | None, float | None]
+                ) -> tuple[float, float]:
+    """Y-axis limits that show the data and the healthy band's edges: a closed edge just inside
+    the view, an open edge (no bound) a quarter of the span beyond the data, so the band is
+    drawn at its true place and size whatever the data do."""
+    low, high = band
+    points = [v for v in values if v is not None] + [x for x in band if x is not None]
+    top, bottom = max(points), min(points)
+    span = max(top - bottom, 0.05 * max(abs(top), abs(bottom), 1.0))
+    return (bottom - 0.25 * span if low is None else bottom - 0.05 * span,
+            top + 0.25 * span if high is None else top + 0.05 * span)
+
+
 def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """The PPO curves, 2 panels a row, healthy bands shaded and in-training audits marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,12 +51,16 @@ def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     steps = [r["iteration"] for r in rows]
     audits = [r["iteration"] for r in rows if "audit/verbosity_score" in r]
     fig, axes = plt.subplots(4, 2, figsize=(12, 13))
-    for ax, (name, keys, band) in zip(axes.flat, PANELS, strict=False):
+    for ax, (name, keys) in zip(axes.flat, PANELS, strict=False):
         for key in keys:
             ax.plot(steps, [r.get(key) for r in rows], label=key, linewidth=1.4)
-        if band is not None:
-            top = band[1] if band[1] is not None else ax.get_ylim()[1]
-            ax.axhspan(band[0], top, color="tab:green", alpha=0.12, label="healthy (guide)")
+        health = RANGES.get(keys[0])
+        if health is not None and health.band is not None:
+            bottom, top = band_limits([r.get(keys[0]) for r in rows], health.band)
+            ax.set_ylim(bottom, top)
+            low, high = health.band
+            ax.axhspan(bottom if low is None else low, top if high is None else high,
+                       color="tab:green", alpha=0.12, label=f"healthy (guide: {health.healthy})")
         for step in audits:
             ax.axvline(step, color="tab:red", linestyle=":", linewidth=1)
         ax.set_title(name)

@@ -7,8 +7,9 @@ its own processing, which also avoids its need for an EOS token (MiniLM has none
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
 from rich.console import Console
 
 from rlhf_cli.data import load_preferences, split_eval
@@ -46,9 +47,6 @@ def pairwise_eval(scorer: RewardScorer, pairs: list[dict[str, str]]) -> dict[str
 def run_train_rm(recipe: Recipe, console: Console) -> dict[str, Any]:
     """Train the reward model; write `runs/<name>/rm/`; return its manifest."""
     from accelerate import PartialState
-    from datasets import Dataset
-    from peft import get_peft_model
-    from trl import RewardConfig, RewardTrainer
 
     cfg, run = recipe.reward, RunDir.for_recipe(recipe)
     if cfg.pretrained is not None:
@@ -58,68 +56,107 @@ def run_train_rm(recipe: Recipe, console: Console) -> dict[str, Any]:
     seed_everything(recipe.run.seed)
     device = pick_device(recipe.run.device)
     with StageRecord(run, "rm", recipe, inputs={}, write=is_main) as record:
-        # 1. Data: pairs → template text → reward-tokenizer ids, truncation counted.
-        tokenizer = load_tokenizer(cfg.tokenizer or cfg.base_model, cfg.trust_remote_code,
-                                   padding_side="right")
-        pairs = load_preferences(recipe.data.preferences, cache_dir=run.path / ".cache")
-        train_pairs, eval_pairs = split_eval(pairs, recipe.data.preferences.eval_fraction,
-                                             recipe.run.seed)
-        model = load_reward_model(cfg.base_model, device, cfg.dtype, cfg.trust_remote_code)
-        model.config.pad_token_id = tokenizer.pad_token_id
-        scorer = RewardScorer(model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size)
-        prompts = [p["prompt"] for p in train_pairs]
-        chosen_ids, n_trunc_c = scorer.encode(scorer.texts(prompts, [p["chosen"] for p in
-                                                                     train_pairs]))
-        rejected_ids, n_trunc_r = scorer.encode(scorer.texts(prompts, [p["rejected"] for p in
-                                                                       train_pairs]))
-        if n_trunc_c + n_trunc_r:
-            record.warn(f"{n_trunc_c + n_trunc_r} of {2 * len(train_pairs)} training texts were "
-                        f"longer than reward.max_length ({cfg.max_length}) and truncated")
-        train_ds = Dataset.from_dict({"chosen_ids": chosen_ids, "rejected_ids": rejected_ids})
+        # 1. Data and model: pairs → template text → reward-tokenizer ids, truncation counted.
+        data = setup(recipe, run, device, record)
+        start = pairwise_eval(data.scorer, data.eval_pairs)
 
-        # 2. Model: full fine-tuning or LoRA on the 1-logit head's backbone.
-        if cfg.lora.enabled:
-            model = get_peft_model(model, lora_config(cfg.lora, "SEQ_CLS"))
-        start = pairwise_eval(scorer, eval_pairs)
+        # 2. Train (full fine-tuning, or LoRA merged back afterwards).
+        result, model = train(recipe, data, device, record, console)
 
-        # 3. Train.
-        dtype = resolve_dtype(cfg.dtype, device)
-        kwargs = trainer_kwargs(cfg, device, dtype, record.dir, recipe.run.seed)
-        kwargs["eval_strategy"] = "no"  # held-out pairs are scored by `pairwise_eval` instead
-        args = RewardConfig(**kwargs, max_length=cfg.max_length)
-        writer = MetricsWriter(record.dir / "metrics.jsonl", recipe.run.trackers, enabled=is_main)
-        progress = RichProgressCallback(console, writer, "train-rm")
-        trainer = RewardTrainer(model=model, args=args, processing_class=tokenizer,
-                                train_dataset=train_ds, callbacks=[progress])
-        drop_printer(trainer)
-        try:
-            result = trainer.train()
-        finally:
-            progress.progress.stop()
-            writer.close()
-
-        # 4. Evaluate on held-out pairs with the scorer PPO will use; save a plain model.
-        model = trainer.model.merge_and_unload() if cfg.lora.enabled else trainer.model
-        freeze(model)
-        scorer.model = model
-        final = pairwise_eval(scorer, eval_pairs)
+        # 3. Evaluate on held-out pairs with the scorer PPO will use; save a plain model.
+        data.scorer.model = freeze(model)
+        final = pairwise_eval(data.scorer, data.eval_pairs)
         if is_main:
-            model.save_pretrained(record.dir / "model")
-            tokenizer.save_pretrained(record.dir / "model")
-            atomic_write_json(record.dir / "eval.json", {"before": start, "after": final,
-                                                         "eval_pairs": len(eval_pairs)})
-            record.manifest["outputs"] = {"model": "model", "tokenizer": "model",
-                                          "eval": "eval.json", "metrics": "metrics.jsonl",
-                                          "train_prompts": "train_prompts.json"}
-            record.manifest["template"] = cfg.template
-            record.manifest["max_length"] = cfg.max_length
-            atomic_write_json(record.dir / "train_prompts.json",
-                              sorted({p["prompt"] for p in train_pairs}))
-            record.manifest["metrics"] = {
-                "eval_accuracy": final["accuracy"], "eval_margin": final["margin"],
-                "eval_accuracy_start": start["accuracy"], "train_loss": result.training_loss,
-                "steps": result.global_step, "train_pairs": len(train_pairs),
-                "eval_pairs": len(eval_pairs), "truncated_texts": n_trunc_c + n_trunc_r,
-            }
+            save(recipe, record, data, (start, final), result)
     return record.manifest
 
+
+class RewardData(NamedTuple):
+    scorer: RewardScorer  # on the model being trained
+    train_pairs: list[dict[str, str]]
+    eval_pairs: list[dict[str, str]]
+    train_ds: Any  # pre-tokenised `chosen_ids` / `rejected_ids`
+    n_truncated: int  # training texts longer than reward.max_length
+
+
+def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord) -> RewardData:
+    """The scorer on the untrained model, the train / held-out pairs, and the pre-tokenised
+    training set (`chosen_ids`, `rejected_ids`): TRL then skips its own processing, which also
+    avoids its need for an EOS token."""
+    from datasets import Dataset
+
+    cfg = recipe.reward
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.base_model, cfg.trust_remote_code,
+                               padding_side="right")
+    pairs = load_preferences(recipe.data.preferences, cache_dir=run.path / ".cache")
+    train_pairs, eval_pairs = split_eval(pairs, recipe.data.preferences.eval_fraction,
+                                         recipe.run.seed)
+    model = load_reward_model(cfg.base_model, device, cfg.dtype, cfg.trust_remote_code)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    scorer = RewardScorer(model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size)
+    prompts = [p["prompt"] for p in train_pairs]
+    encoded, n_truncated = {}, 0
+    for side in ("chosen", "rejected"):
+        texts = scorer.texts(prompts, [p[side] for p in train_pairs])
+        encoded[f"{side}_ids"], count = scorer.encode(texts)
+        n_truncated += count
+    if n_truncated:
+        record.warn(f"{n_truncated} of {2 * len(train_pairs)} training texts were longer than "
+                    f"reward.max_length ({cfg.max_length}) and truncated")
+    if cfg.lora.enabled:
+        from peft import get_peft_model
+
+        scorer.model = get_peft_model(model, lora_config(cfg.lora, "SEQ_CLS"))
+    return RewardData(scorer, train_pairs, eval_pairs, Dataset.from_dict(encoded), n_truncated)
+
+
+def train(recipe: Recipe, data: RewardData, device: torch.device, record: StageRecord,
+          console: Console) -> tuple[Any, Any]:
+    """TRL's RewardTrainer over the pre-tokenised pairs; (its TrainOutput, the plain model)."""
+    from trl import RewardConfig, RewardTrainer
+
+    cfg = recipe.reward
+    kwargs = trainer_kwargs(cfg, device, resolve_dtype(cfg.dtype, device), record.dir,
+                            recipe.run.seed)
+    kwargs["eval_strategy"] = "no"  # held-out pairs are scored by `pairwise_eval` instead
+    args = RewardConfig(**kwargs, max_length=cfg.max_length)
+    writer = MetricsWriter(record.dir / "metrics.jsonl", recipe.run.trackers,
+                           enabled=record.write)
+    progress = RichProgressCallback(console, writer, "train-rm")
+    trainer = RewardTrainer(model=data.scorer.model, args=args,
+                            processing_class=data.scorer.tokenizer, train_dataset=data.train_ds,
+                            callbacks=[progress])
+    drop_printer(trainer)
+    try:
+        result = trainer.train()
+    finally:
+        progress.progress.stop()
+        writer.close()
+    model = trainer.model.merge_and_unload() if cfg.lora.enabled else trainer.model
+    return result, model
+
+
+def save(recipe: Recipe, record: StageRecord, data: RewardData,
+         evals: tuple[dict[str, float], dict[str, float]], result: Any) -> None:
+    """The model and tokenizer (one from_pretrained folder), held-out results, the training
+    prompts (for PPO's overlap warning) and the manifest."""
+    cfg, (start, final) = recipe.reward, evals
+    scorer, train_pairs, eval_pairs = data.scorer, data.train_pairs, data.eval_pairs
+    scorer.model.save_pretrained(record.dir / "model")
+    scorer.tokenizer.save_pretrained(record.dir / "model")
+    atomic_write_json(record.dir / "eval.json", {"before": start, "after": final,
+                                                 "eval_pairs": len(eval_pairs)})
+    atomic_write_json(record.dir / "train_prompts.json",
+                      sorted({p["prompt"] for p in train_pairs}))
+    record.manifest["outputs"] = {"model": "model", "tokenizer": "model", "eval": "eval.json",
+                                  "metrics": "metrics.jsonl",
+                                  "train_prompts": "train_prompts.json"}
+    record.manifest["template"] = cfg.template
+    record.manifest["max_length"] = cfg.max_length
+    record.manifest["metrics"] = {
+        "eval_accuracy": final["accuracy"], "eval_margin": final["margin"],
+        "eval_accuracy_start": start["accuracy"], "train_loss": result.training_loss,
+        "steps": result.global_step, "train_pairs": len(train_pairs),
+        "eval_pairs": len(eval_pairs),
+        "truncated_texts": data.n_truncated,
+    }

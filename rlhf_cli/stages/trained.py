@@ -1,4 +1,5 @@
-"""Finding and loading a trained policy for audit, merge and compare.
+"""What audit, merge, compare and ppo share: where a run's policy and reward model come from,
+and loading a trained policy.
 
 A policy can be: the run's final PPO output (`runs/<name>/ppo/`), one PPO checkpoint
 (`ppo/checkpoints/iter_NNNNN/`), an adapter folder, or a merged model folder. Each comes with its
@@ -7,7 +8,6 @@ reference (the SFT model) when the run has one, so KL and reward can be compared
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,18 +16,45 @@ import torch
 
 from rlhf_cli.errors import StageError
 from rlhf_cli.modeling import (
+    Reference,
     freeze,
     load_causal_lm,
     load_reward_model,
+    load_sft_model,
     load_tokenizer,
     lora_config,
     set_dropout,
 )
-from rlhf_cli.ppo.models import Reference
 from rlhf_cli.recipe import ModelSection, Recipe
 from rlhf_cli.rundir import RunDir
 from rlhf_cli.scoring import RewardScorer
-from rlhf_cli.stages.ppo import load_sft_model, policy_source, reward_source
+
+
+def policy_source(recipe: Recipe, run: RunDir, inputs: dict[str, Any],
+                  needed_by: str = "rlhf ppo") -> tuple[str, Path | None, str]:
+    """(base weights, SFT adapter to merge or None, tokenizer) the policy starts from; records
+    the SFT stage in `inputs` when it is used."""
+    if not recipe.sft.enabled:
+        name = recipe.model.name_or_path
+        return name, None, recipe.model.tokenizer or name
+    manifest = run.require("sft", needed_by)
+    inputs["sft"] = run.input_record("sft")
+    tokenizer = str(run.resolve_output("sft", manifest, "tokenizer"))
+    if "model" in manifest["outputs"]:
+        return str(run.resolve_output("sft", manifest, "model")), None, tokenizer
+    return recipe.model.name_or_path, run.resolve_output("sft", manifest, "adapter"), tokenizer
+
+
+def reward_source(recipe: Recipe, run: RunDir, inputs: dict[str, Any],
+                  needed_by: str = "rlhf ppo") -> tuple[str, str]:
+    """(reward model, reward tokenizer): the recipe's frozen model or the train-rm output."""
+    if recipe.reward.pretrained is not None:
+        name = recipe.reward.pretrained
+        return name, recipe.reward.tokenizer or name
+    manifest = run.require("rm", needed_by)
+    inputs["rm"] = run.input_record("rm")
+    path = str(run.resolve_output("rm", manifest, "model"))
+    return path, str(run.resolve_output("rm", manifest, "tokenizer"))
 
 
 @dataclass
@@ -38,13 +65,18 @@ class TrainedPolicy:
     label: str  # names the audited thing in reports, e.g. "ppo" or "iter_00050"
 
 
+def _stage_manifest(folder: Path) -> dict[str, Any] | None:
+    """The manifest of a stage folder, read through RunDir (its errors name the file)."""
+    run, stage = RunDir.of_stage_dir(folder)
+    return run.read_manifest(stage)
+
+
 def _kind(folder: Path) -> str:
     if (folder / "checkpoint.json").is_file():
         return "checkpoint"
-    if (folder / "manifest.json").is_file():
-        stage = json.loads((folder / "manifest.json").read_text()).get("stage")
-        if stage in ("ppo", "merged"):
-            return stage
+    manifest = _stage_manifest(folder)
+    if manifest is not None and manifest.get("stage") in ("ppo", "merged"):
+        return manifest["stage"]
     if (folder / "adapter_config.json").is_file():
         return "adapter"
     if (folder / "config.json").is_file():
@@ -65,17 +97,14 @@ def load_trained_policy(recipe: Recipe, run: RunDir, device: torch.device,
     if not folder.is_dir():
         raise StageError(f"{folder} does not exist")
     kind = _kind(folder)
-    base, sft_adapter, tok_source = policy_source(recipe, run, {})
-    if kind == "merged":
-        manifest = json.loads((folder / "manifest.json").read_text())
-        folder, kind = folder / manifest["outputs"]["model"], "model"
-    if kind == "ppo":
-        manifest = json.loads((folder / "manifest.json").read_text())
-        tok_source = str(folder / manifest["outputs"]["tokenizer"])
-        if "adapter" not in manifest["outputs"]:
-            folder, kind = folder / manifest["outputs"]["model"], "model"
-        else:
-            folder, kind = folder / manifest["outputs"]["adapter"], "adapter"
+    base, sft_adapter, tok_source = policy_source(recipe, run, {}, "this command")
+    if kind in ("merged", "ppo"):
+        owner, stage = RunDir.of_stage_dir(folder)
+        manifest = owner.require(stage, "this command")
+        if kind == "ppo":
+            tok_source = str(owner.resolve_output(stage, manifest, "tokenizer"))
+        kind = "adapter" if "adapter" in manifest["outputs"] else "model"
+        folder = owner.resolve_output(stage, manifest, kind)
     tokenizer = load_tokenizer(tok_source, model_cfg.trust_remote_code, "left")
     label = folder.name if kind == "checkpoint" else run.name
     if kind == "model":
@@ -103,7 +132,7 @@ def load_trained_policy(recipe: Recipe, run: RunDir, device: torch.device,
 def load_scorer(recipe: Recipe, run: RunDir, device: torch.device) -> RewardScorer | None:
     """The run's reward model as a scorer, or None when it is not at hand."""
     try:
-        path, tok = reward_source(recipe, run, {})
+        path, tok = reward_source(recipe, run, {}, "this command")
     except StageError:
         return None
     model = freeze(load_reward_model(path, device, recipe.reward.dtype,

@@ -101,7 +101,8 @@ def invoke(*args: str):
 
 
 def test_audit_of_the_final_policy_and_of_a_checkpoint(trained: Trained) -> None:
-    from rlhf_cli.stages.audit import audit_prompts, run_audit
+    from rlhf_cli.data import audit_prompts
+    from rlhf_cli.stages.audit import run_audit
 
     n_prompts = len(audit_prompts(trained.recipe.audit))
     final = run_audit(trained.recipe, QUIET)
@@ -200,7 +201,8 @@ def test_merge_mismatch_saves_nothing(trained: Trained, tmp_path, small_recipe,
     by the logit check; merge.atol is tiny so even float noise alone would be refused."""
     from peft import LoraModel
 
-    from rlhf_cli.stages.merge import MergeMismatch, run_merge
+    from rlhf_cli.errors import MergeMismatch
+    from rlhf_cli.stages.merge import run_merge
 
     recipe = copy_runs(trained, tmp_path, small_recipe, {"merge": {"atol": 1e-12}})
     real_merge = LoraModel.merge_and_unload  # PeftModel.merge_and_unload calls it

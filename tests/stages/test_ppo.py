@@ -265,8 +265,8 @@ def test_full_disk_while_checkpointing_keeps_the_previous_one(pipeline, tmp_path
                                                               monkeypatch):
     import errno
 
+    from rlhf_cli.errors import CheckpointWriteError
     from rlhf_cli.ppo import checkpoint as ckpt
-    from rlhf_cli.ppo.trainer import CheckpointWriteError
     from rlhf_cli.stages.ppo import run_ppo
 
     recipe = ppo_recipe(pipeline, tmp_path, small_recipe, PPO_SMALL)
@@ -290,7 +290,7 @@ def test_full_disk_while_checkpointing_keeps_the_previous_one(pipeline, tmp_path
 
 def test_non_finite_rewards_skip_updates_then_stop(pipeline, tmp_path, small_recipe,
                                                    monkeypatch):
-    from rlhf_cli.ppo.trainer import NonFiniteError
+    from rlhf_cli.errors import NonFiniteError
     from rlhf_cli.scoring import RewardScorer
     from rlhf_cli.stages.ppo import run_ppo
 
@@ -316,8 +316,10 @@ def test_ppo_after_a_lora_sft_uses_the_merged_sft_model_as_reference(pipeline, t
                                                                      small_recipe):
     """SFT trained an adapter: PPO merges it into the base (the reference is the SFT model, not
     the raw base) and trains a fresh PPO adapter on top."""
-    from rlhf_cli.stages.ppo import load_sft_model, policy_source, run_ppo
+    from rlhf_cli.modeling import load_sft_model
+    from rlhf_cli.stages.ppo import run_ppo
     from rlhf_cli.stages.sft import run_sft
+    from rlhf_cli.stages.trained import policy_source
 
     shutil.copytree(pipeline / "runs", tmp_path / "runs")
     recipe = load_recipe(small_recipe(tmp_path, {

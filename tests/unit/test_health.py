@@ -32,3 +32,24 @@ def test_thresholds_that_depend_on_the_iteration():
     assert "Check reward model" in monitor.check(HEALTHY, 60, falling)[0]
     assert HealthMonitor(already=["kl_high"]).check({**HEALTHY, "objective/kl": 30.0}, 5,
                                                     []) == []
+
+
+def test_docs_table_is_the_code_table():
+    from pathlib import Path
+
+    from rlhf_cli.ppo.health import ranges_markdown
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+    assert ranges_markdown() in doc.read_text(), "paste ranges_markdown() into docs/metrics.md"
+
+
+def test_bands_say_what_the_guide_says():
+    from rlhf_cli.ppo.health import RANGES
+
+    kl, clip, entropy = (RANGES[k] for k in ("objective/kl", "objective/clipfrac",
+                                             "objective/entropy"))
+    assert (kl.healthy_now(14.9), kl.healthy_now(15.1)) == (True, False)
+    assert (clip.healthy_now(0.10), clip.healthy_now(0.35), clip.healthy_now(0.36),
+            clip.healthy_now(0.09)) == (True, True, False, False)
+    assert (entropy.healthy_now(3.0), entropy.healthy_now(2.99)) == (True, False)
+    assert RANGES["env/reward_mean"].healthy_now(-5.0) is None  # a trend, not a band

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from rlhf_cli.generation import logprobs_from_logits
 from rlhf_cli.ppo.core import (
     AdaptiveKLController,
     FixedKLController,
@@ -16,7 +17,6 @@ from rlhf_cli.ppo.core import (
     entropy_from_logits,
     explained_variance,
     kl_penalized_rewards,
-    logprobs_from_logits,
     masked_mean,
     masked_var,
     masked_whiten,

@@ -7,8 +7,8 @@ import torch
 from torch.testing import assert_close
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhf_cli.ppo.models import PolicyAndValue, position_ids_from, zero_value_head
-from rlhf_cli.ppo.rollout import left_pad, response_logprobs, response_mask_from
+from rlhf_cli.generation import left_pad, position_ids_from, response_logprobs, response_mask_from
+from rlhf_cli.ppo.models import PolicyAndValue, zero_value_head
 
 EOS = 2
 
@@ -83,10 +83,10 @@ class _ConstantScorer:
 
 @pytest.mark.parametrize("stop_on_anything", [True, False])
 def test_missing_eos_penalty_hits_only_responses_that_never_end(stop_on_anything):
-    from rlhf_cli.modeling import load_tokenizer
-    from rlhf_cli.ppo.models import Reference
+    from rlhf_cli.generation import HFGenerator
+    from rlhf_cli.modeling import Reference, load_tokenizer
     from rlhf_cli.ppo.rollout import collect_rollout
-    from rlhf_cli.recipe import GenerationSection
+    from rlhf_cli.recipe import GenerationSection, PpoSection
 
     tokenizer = load_tokenizer("builtin:tiny-lm")
     torch.manual_seed(0)
@@ -97,10 +97,11 @@ def test_missing_eos_penalty_hits_only_responses_that_never_end(stop_on_anything
     actor = PolicyAndValue(policy, value_head=zero_value_head(32))
     stops = list(range(len(tokenizer))) if stop_on_anything else [tokenizer.eos_token_id]
     queries = [tokenizer("hello there friend")["input_ids"]] * 4
+    cfg = PpoSection(batch_size=4, mini_batch_size=2, gradient_accumulation_steps=1,
+                     missing_eos_penalty=0.5,
+                     generation=GenerationSection(max_new_tokens=3, temperature=1.0, top_p=1.0))
     rollout = collect_rollout(actor, Reference(policy, frozen_copy=policy), _ConstantScorer(),
-                              tokenizer, ["p"] * 4, queries,
-                              GenerationSection(max_new_tokens=3, temperature=1.0, top_p=1.0),
-                              stops, missing_eos_penalty=0.5)
+                              HFGenerator(policy, tokenizer, stops), ["p"] * 4, queries, cfg)
     assert rollout.ended.all() == stop_on_anything
     assert_close(rollout.scores, 1.0 - 0.5 * (~rollout.ended).float())
     assert_close(rollout.raw_scores, torch.ones(4))

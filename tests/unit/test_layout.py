@@ -1,0 +1,130 @@
+"""The shape CONTRIBUTING.md promises: imports run down the layers, no import circle, stages are
+leaves over shared helpers, and no function is too long to read at once."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "rlhf_cli"
+STAGE_HELPERS = {"rlhf_cli.stages.common", "rlhf_cli.stages.trained"}
+MAX_FUNCTION_LINES = 60
+LONG_REASON = "Long because"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the rlhf_cli modules it imports, lazy (in-function) imports included."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                candidates = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                candidates = [a.name for a in node.names]
+            else:
+                continue
+            targets |= {c for c in candidates if c in modules and c != name}
+        graph[name] = {t for t in targets if t != "rlhf_cli" and not t.endswith("__init__")}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_cycle_finder_finds_a_planted_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_circle():
+    assert _cycle(import_graph()) is None
+
+
+def test_ppo_and_audit_import_no_stage_and_no_cli():
+    for module, targets in import_graph().items():
+        if module.startswith(("rlhf_cli.ppo", "rlhf_cli.audit")):
+            upward = {t for t in targets if t.startswith(("rlhf_cli.stages", "rlhf_cli.cli"))}
+            assert not upward, f"{module} imports {upward}"
+
+
+def test_shared_helpers_import_no_layer_above():
+    lower = ("rlhf_cli.generation", "rlhf_cli.modeling", "rlhf_cli.scoring", "rlhf_cli.data",
+             "rlhf_cli.rundir", "rlhf_cli.tracking", "rlhf_cli.recipe", "rlhf_cli.errors",
+             "rlhf_cli.tiny")
+    above = ("rlhf_cli.ppo", "rlhf_cli.audit", "rlhf_cli.stages", "rlhf_cli.cli")
+    for module, targets in import_graph().items():
+        if module in lower:
+            assert not {t for t in targets if t.startswith(above)}, module
+
+
+def test_each_stage_is_a_leaf():
+    graph = import_graph()
+    for module, targets in graph.items():
+        if module.startswith("rlhf_cli.stages.") and module not in STAGE_HELPERS:
+            others = {t for t in targets if t.startswith("rlhf_cli.stages.")} - STAGE_HELPERS
+            assert not others, f"{module} imports other stages: {others}"
+    for helper in STAGE_HELPERS:
+        assert not {t for t in graph[helper] if t.startswith("rlhf_cli.stages.")} - STAGE_HELPERS
+
+
+def test_one_generation_module_serves_every_caller():
+    graph = import_graph()
+    for caller in ("rlhf_cli.ppo.rollout", "rlhf_cli.audit.measure", "rlhf_cli.stages.merge",
+                   "rlhf_cli.stages.compare"):
+        assert "rlhf_cli.generation" in graph[caller], caller
+    sources = {name: path.read_text() for name, path in _modules().items()}
+    callers = [name for name, text in sources.items() if ".generate(" in text]
+    assert set(callers) <= {"rlhf_cli.generation", "rlhf_cli.ppo.rollout",
+                            "rlhf_cli.audit.measure", "rlhf_cli.stages.compare"}, callers
+    model_generate = [n for n, t in sources.items() if "model.generate(" in t]
+    assert model_generate == ["rlhf_cli.generation"]
+
+
+def long_functions() -> list[str]:
+    """Functions over MAX_FUNCTION_LINES lines (docstring excluded) whose docstring does not say
+    why ("Long because ...")."""
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            doc = ast.get_docstring(node) or ""
+            first = node.body[1] if doc and len(node.body) > 1 else node.body[0]
+            length = node.end_lineno - first.lineno + 1
+            if length > MAX_FUNCTION_LINES and LONG_REASON not in doc:
+                found.append(f"{name}.{node.name}: {length} lines")
+    return found
+
+
+def test_no_function_is_too_long_to_read_at_once():
+    assert long_functions() == []
