@@ -101,12 +101,21 @@ def write_recipe(s: Settings, work: Path, tag: str, lora: bool) -> Path:
     data["model"].update(name_or_path=s.model, dtype="float32")
     data["model"]["lora"].update(enabled=lora, r=s.lora_r, alpha=2 * s.lora_r, dropout=0.0)
     data["sft"]["enabled"] = False
-    data["reward"] = {**data["reward"], "base_model": None, "pretrained": s.reward_model,
-                      "template": REWARD_TEMPLATE}
-    data["ppo"].update(batch_size=s.batch_size, mini_batch_size=s.mini_batch_size,
-                       gradient_accumulation_steps=1, ppo_epochs=s.ppo_epochs)
-    data["ppo"]["generation"].update(max_new_tokens=s.max_new_tokens, temperature=1.0,
-                                     top_p=1.0, top_k=0, do_sample=True)
+    data["reward"] = {
+        **data["reward"],
+        "base_model": None,
+        "pretrained": s.reward_model,
+        "template": REWARD_TEMPLATE,
+    }
+    data["ppo"].update(
+        batch_size=s.batch_size,
+        mini_batch_size=s.mini_batch_size,
+        gradient_accumulation_steps=1,
+        ppo_epochs=s.ppo_epochs,
+    )
+    data["ppo"]["generation"].update(
+        max_new_tokens=s.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, do_sample=True
+    )
     path = work / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -133,11 +142,14 @@ def train_reward_model(work: Path) -> dict[str, Any]:
 
     quiet_libraries()
     start = time.perf_counter()
-    manifest = run_train_rm(load_recipe(recipe_for("tiny", work, 1)),
-                            Console(stderr=True, quiet=True))
-    return {"path": str(work / "runs" / "bench-tiny" / "rm" / "model"),
-            "eval_accuracy": manifest["metrics"].get("eval_accuracy"),
-            "train_s": round(time.perf_counter() - start, 1)}
+    manifest = run_train_rm(
+        load_recipe(recipe_for("tiny", work, 1)), Console(stderr=True, quiet=True)
+    )
+    return {
+        "path": str(work / "runs" / "bench-tiny" / "rm" / "model"),
+        "eval_accuracy": manifest["metrics"].get("eval_accuracy"),
+        "train_s": round(time.perf_counter() - start, 1),
+    }
 
 
 def run_ours(s: Settings, work: Path, tag: str, lora: bool) -> dict[str, Any]:
@@ -170,18 +182,23 @@ def run_ours(s: Settings, work: Path, tag: str, lora: bool) -> dict[str, Any]:
     steady = rows[1:] or rows
     tokens = [r["tokens/generated_per_s"] * r["time/rollout_s"] for r in steady]
     return {
-        "impl": "ours", "tag": tag, "lora": lora, "iterations": len(rows),
+        "impl": "ours",
+        "tag": tag,
+        "lora": lora,
+        "iterations": len(rows),
         "iteration_s": [round(r["time/iteration_s"], 4) for r in rows],
         "iteration_s_median": median([r["time/iteration_s"] for r in steady]),
         "generation_s_median": median([r["time/rollout_s"] for r in steady]),
         "tokens_generated_per_s": median([r["tokens/generated_per_s"] for r in steady], 1),
         "completion_tokens_per_iteration": median(tokens, 1),
         "completion_length_mean": median([r["response/length_mean"] for r in steady], 2),
-        "throughput_tokens_per_s": median([t / r["time/iteration_s"]
-                                           for t, r in zip(tokens, steady, strict=True)], 1),
+        "throughput_tokens_per_s": median(
+            [t / r["time/iteration_s"] for t, r in zip(tokens, steady, strict=True)], 1
+        ),
         "reward_mean_last": round(rows[-1]["env/reward_mean"], 4),
         "kl_last": round(rows[-1]["objective/kl"], 4),
-        "wall_s": round(wall, 1), "threads": torch.get_num_threads(),
+        "wall_s": round(wall, 1),
+        "threads": torch.get_num_threads(),
         "rss_before_run_ppo_mb": rss_start,
         "peak_rss_train_mb": before_save[0] if before_save else None,
         "peak_rss_mb": peak_rss_mb(),
@@ -215,11 +232,15 @@ def run_theirs(s: Settings, work: Path, tag: str) -> dict[str, Any]:
     rm_cfg = recipe.reward
     reward_model = freeze(load_reward_model(s.reward_model, device, rm_cfg.dtype))
     set_dropout(reward_model, 0.0)
-    scorer = RewardScorer(reward_model, load_tokenizer(s.reward_model, padding_side="right"),
-                          rm_cfg.template, rm_cfg.max_length, rm_cfg.score_batch_size)
+    scorer = RewardScorer(
+        reward_model,
+        load_tokenizer(s.reward_model, padding_side="right"),
+        rm_cfg.template,
+        rm_cfg.max_length,
+        rm_cfg.score_batch_size,
+    )
 
-    def reward_model_score(prompts: list[Any], completions: list[Any],
-                           **_: Any) -> list[float]:
+    def reward_model_score(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
         """The same scorer as ours: prompt text and stripped completion through the template."""
         texts = [p[-1]["content"] for p in prompts]
         replies = [c[-1]["content"].strip() for c in completions]
@@ -238,58 +259,91 @@ def run_theirs(s: Settings, work: Path, tag: str) -> dict[str, Any]:
     class TimedRLOO(RLOOTrainer):
         """Times the generation call only (left-padding, `generate`, EOS masking)."""
 
-        def _generate_single_turn(self, prompt_ids: Any, images: Any,
-                                  multimodal_fields: Any) -> Any:
+        def _generate_single_turn(
+            self, prompt_ids: Any, images: Any, multimodal_fields: Any
+        ) -> Any:
             t0 = time.perf_counter()
-            completion_ids = super()._generate_single_turn(prompt_ids, images,
-                                                           multimodal_fields)
+            completion_ids = super()._generate_single_turn(prompt_ids, images, multimodal_fields)
             generations.append((time.perf_counter() - t0, sum(map(len, completion_ids))))
             return completion_ids
 
     ppo = recipe.ppo
     config = RLOOConfig(
-        output_dir=str(work / tag / "trl"), use_cpu=True, bf16=False, report_to="none",
-        save_strategy="no", logging_steps=1, disable_tqdm=True, seed=s.seed,
+        output_dir=str(work / tag / "trl"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=s.seed,
         max_steps=s.iterations * s.steps_per_iteration,
-        per_device_train_batch_size=s.mini_batch_size, gradient_accumulation_steps=1,
-        generation_batch_size=s.batch_size, num_generations=s.num_generations,
-        max_completion_length=s.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        num_iterations=s.ppo_epochs, beta=ppo.init_kl_coef, epsilon=ppo.cliprange,
-        learning_rate=ppo.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
-        optim="adamw_torch", adam_epsilon=ppo.adam_eps, max_grad_norm=ppo.max_grad_norm,
-        gradient_checkpointing=False, disable_dropout=True, dataloader_num_workers=0)
+        per_device_train_batch_size=s.mini_batch_size,
+        gradient_accumulation_steps=1,
+        generation_batch_size=s.batch_size,
+        num_generations=s.num_generations,
+        max_completion_length=s.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        num_iterations=s.ppo_epochs,
+        beta=ppo.init_kl_coef,
+        epsilon=ppo.cliprange,
+        learning_rate=ppo.learning_rate,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_epsilon=ppo.adam_eps,
+        max_grad_norm=ppo.max_grad_norm,
+        gradient_checkpointing=False,
+        disable_dropout=True,
+        dataloader_num_workers=0,
+    )
     model = AutoModelForCausalLM.from_pretrained(s.model, dtype=torch.float32)
-    trainer = TimedRLOO(model=model, reward_funcs=reward_model_score, args=config,
-                        train_dataset=dataset, processing_class=tokenizer,
-                        callbacks=[StepTimer()],
-                        peft_config=lora_config(recipe.model.lora, "CAUSAL_LM", inference=True))
+    trainer = TimedRLOO(
+        model=model,
+        reward_funcs=reward_model_score,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepTimer()],
+        peft_config=lora_config(recipe.model.lora, "CAUSAL_LM", inference=True),
+    )
     rss_start = peak_rss_mb()
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     per = s.steps_per_iteration
     if len(steps) != s.iterations * per or len(generations) != s.iterations:
-        raise RuntimeError(f"expected {s.iterations} generations and {s.iterations * per} "
-                           f"steps, saw {len(generations)} and {len(steps)}")
-    cycles = [sum(steps[i * per:(i + 1) * per]) for i in range(s.iterations)]
+        raise RuntimeError(
+            f"expected {s.iterations} generations and {s.iterations * per} "
+            f"steps, saw {len(generations)} and {len(steps)}"
+        )
+    cycles = [sum(steps[i * per : (i + 1) * per]) for i in range(s.iterations)]
     steady = range(1, s.iterations)  # iteration 1 is warm-up
     logs = [h for h in trainer.state.log_history if "reward" in h]
     return {
-        "impl": "trl", "tag": tag, "iterations": len(cycles), "steps": len(steps),
+        "impl": "trl",
+        "tag": tag,
+        "iterations": len(cycles),
+        "steps": len(steps),
         "steps_per_iteration": per,
         "iteration_s": [round(c, 4) for c in cycles],
         "iteration_s_median": median([cycles[i] for i in steady]),
         "step_s_median": median(steps[1:] or steps),
         "generation_s_median": median([generations[i][0] for i in steady]),
-        "tokens_generated_per_s": median([generations[i][1] / generations[i][0]
-                                          for i in steady], 1),
+        "tokens_generated_per_s": median(
+            [generations[i][1] / generations[i][0] for i in steady], 1
+        ),
         "completion_tokens_per_iteration": median([generations[i][1] for i in steady], 1),
         "completion_length_mean": median([generations[i][1] / s.batch_size for i in steady], 2),
         "throughput_tokens_per_s": median([generations[i][1] / cycles[i] for i in steady], 1),
         "reward_mean_last": round(logs[-1]["reward"], 4) if logs else None,
         "kl_last": round(logs[-1]["kl"], 4) if logs and "kl" in logs[-1] else None,
-        "wall_s": round(wall, 1), "threads": torch.get_num_threads(),
-        "rss_before_train_mb": rss_start, "peak_rss_mb": peak_rss_mb(),
+        "wall_s": round(wall, 1),
+        "threads": torch.get_num_threads(),
+        "rss_before_train_mb": rss_start,
+        "peak_rss_mb": peak_rss_mb(),
     }
 
 
@@ -306,18 +360,38 @@ def child(kind: str, s: Settings, work: Path, tag: str) -> dict[str, Any]:
 
 
 def spawn(kind: str, s: Settings, work: Path, tag: str) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", kind, "--tag", tag, "--work", str(work),
-           "--settings", json.dumps(asdict(s))]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        kind,
+        "--tag",
+        tag,
+        "--work",
+        str(work),
+        "--settings",
+        json.dumps(asdict(s)),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         sys.stderr.write(out.stderr[-4000:])
         raise SystemExit(f"bench-peer: {kind} run '{tag}' failed (exit {out.returncode})")
     line = next(x for x in reversed(out.stdout.splitlines()) if x.startswith(MARK))
     result = json.loads(line.removeprefix(MARK))
-    shown = {k: result.get(k) for k in ("iteration_s_median", "tokens_generated_per_s",
-                                         "peak_rss_mb", "wall_s", "path", "train_s")}
-    print(f"{tag}: {json.dumps({k: v for k, v in shown.items() if v is not None})}",
-          file=sys.stderr)
+    shown = {
+        k: result.get(k)
+        for k in (
+            "iteration_s_median",
+            "tokens_generated_per_s",
+            "peak_rss_mb",
+            "wall_s",
+            "path",
+            "train_s",
+        )
+    }
+    print(
+        f"{tag}: {json.dumps({k: v for k, v in shown.items() if v is not None})}", file=sys.stderr
+    )
     return result
 
 
@@ -338,9 +412,16 @@ def model_facts(s: Settings) -> dict[str, Any]:
         warnings.simplefilter("ignore", FutureWarning)
         peft_model = get_peft_model(model, lora_config(lora, "CAUSAL_LM", inference=True))
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    return {"parameters": total, "lora_trainable_parameters": trainable,
-            "lora": {"r": lora.r, "alpha": lora.alpha, "dropout": 0.0,
-                     "target_modules": lora.target_modules}}
+    return {
+        "parameters": total,
+        "lora_trainable_parameters": trainable,
+        "lora": {
+            "r": lora.r,
+            "alpha": lora.alpha,
+            "dropout": 0.0,
+            "target_modules": lora.target_modules,
+        },
+    }
 
 
 def recipe_facts(s: Settings, work: Path) -> dict[str, Any]:
@@ -357,24 +438,35 @@ def recipe_facts(s: Settings, work: Path) -> dict[str, Any]:
     lengths = [len(q) for q in tokenize_prompts(load_tokenizer(s.model), prompts, True, 10**6)]
     ppo = recipe.ppo
     return {
-        "prompts": {"path": "data/tiny/prompts.jsonl", "count": len(prompts),
-                    "template": "the tokenizer's chat template, add_generation_prompt=True",
-                    "tokens_max": max(lengths), "tokens_mean": round(statistics.mean(lengths), 1),
-                    "ours_truncates_to_tokens": recipe.data.prompts.max_tokens},
+        "prompts": {
+            "path": "data/tiny/prompts.jsonl",
+            "count": len(prompts),
+            "template": "the tokenizer's chat template, add_generation_prompt=True",
+            "tokens_max": max(lengths),
+            "tokens_mean": round(statistics.mean(lengths), 1),
+            "ours_truncates_to_tokens": recipe.data.prompts.max_tokens,
+        },
         "optimisation": {
-            "learning_rate": ppo.learning_rate, "adam_eps": ppo.adam_eps,
-            "max_grad_norm": ppo.max_grad_norm, "clip_epsilon": ppo.cliprange,
+            "learning_rate": ppo.learning_rate,
+            "adam_eps": ppo.adam_eps,
+            "max_grad_norm": ppo.max_grad_norm,
+            "clip_epsilon": ppo.cliprange,
             "lr_schedule": "constant",
-            "kl": {"ours": f"per-token penalty, adaptive, init_kl_coef {ppo.init_kl_coef}",
-                   "trl": f"beta {ppo.init_kl_coef}: sequence KL subtracted from the reward"}},
+            "kl": {
+                "ours": f"per-token penalty, adaptive, init_kl_coef {ppo.init_kl_coef}",
+                "trl": f"beta {ppo.init_kl_coef}: sequence KL subtracted from the reward",
+            },
+        },
     }
 
 
 def versions() -> dict[str, str]:
     from importlib.metadata import version
 
-    return {name: version(name) for name in ("torch", "transformers", "trl", "peft",
-                                             "accelerate", "datasets")}
+    return {
+        name: version(name)
+        for name in ("torch", "transformers", "trl", "peft", "accelerate", "datasets")
+    }
 
 
 def summarize(runs: list[dict[str, Any]], key: str) -> float | None:
@@ -384,31 +476,45 @@ def summarize(runs: list[dict[str, Any]], key: str) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "bench" / "peer.json"))
-    parser.add_argument("--smoke", action="store_true",
-                        help="the shipped tiny model, 2 iterations (a check that it all runs)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the shipped tiny model, 2 iterations (a check that it all runs)",
+    )
     parser.add_argument("--iterations", type=int, help="iterations per run (default 4; smoke 2)")
     parser.add_argument("--rounds", type=int, default=2, help="A-B rounds (at least 2)")
     parser.add_argument("--batch-size", type=int, default=16, help="completions per iteration")
     parser.add_argument("--mini-batch-size", type=int, default=8)
-    parser.add_argument("--ppo-epochs", type=int, default=2,
-                        help="passes over each batch (TRL: num_iterations)")
+    parser.add_argument(
+        "--ppo-epochs", type=int, default=2, help="passes over each batch (TRL: num_iterations)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--num-generations", type=int, default=4,
-                        help="TRL completions per prompt (batch / this = prompts per step)")
+    parser.add_argument(
+        "--num-generations",
+        type=int,
+        default=4,
+        help="TRL completions per prompt (batch / this = prompts per step)",
+    )
     parser.add_argument("--lora-r", type=int, default=16)
-    parser.add_argument("--memory-iterations", type=int, default=2,
-                        help="iterations of each run of the LoRA vs full-weights memory pair")
+    parser.add_argument(
+        "--memory-iterations",
+        type=int,
+        default=2,
+        help="iterations of each run of the LoRA vs full-weights memory pair",
+    )
     parser.add_argument("--threads", type=int, help="torch threads per run (default: torch's)")
-    parser.add_argument("--reward-model", help="a reward model folder already trained by "
-                        "`rlhf train-rm` on the tiny recipe (skips training one)")
+    parser.add_argument(
+        "--reward-model",
+        help="a reward model folder already trained by "
+        "`rlhf train-rm` on the tiny recipe (skips training one)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        result = child(args.child, Settings(**json.loads(args.settings)), Path(args.work),
-                       args.tag)
+        result = child(args.child, Settings(**json.loads(args.settings)), Path(args.work), args.tag)
         print(MARK + json.dumps(result))
         return
     iterations = args.iterations or (2 if args.smoke else 4)
@@ -420,8 +526,12 @@ def main() -> None:
         parser.error("--mini-batch-size and --num-generations must divide --batch-size")
     if args.num_generations < 2:
         parser.error("--num-generations must be at least 2 (RLOO's leave-one-out baseline)")
-    for key, value in {"RLHF_CLI_CACHE": str(ROOT / ".cache" / "rlhf-cli"), "HF_HUB_OFFLINE": "1",
-                       "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+    for key, value in {
+        "RLHF_CLI_CACHE": str(ROOT / ".cache" / "rlhf-cli"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }.items():
         os.environ.setdefault(key, value)
 
     from rlhf_cli.tracking import quiet_libraries
@@ -429,8 +539,11 @@ def main() -> None:
     quiet_libraries()
     load_at_start = os.getloadavg()
     if load_at_start[0] > 0.5:
-        print(f"bench-peer: load average {load_at_start[0]:.2f}: other processes are running, "
-              "and with all cores in use by torch the timings will be noisy", file=sys.stderr)
+        print(
+            f"bench-peer: load average {load_at_start[0]:.2f}: other processes are running, "
+            "and with all cores in use by torch the timings will be noisy",
+            file=sys.stderr,
+        )
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlhf-bench-peer-") as tmp:
         work = Path(tmp)
@@ -441,11 +554,18 @@ def main() -> None:
         else:
             model = str(build_large(work / "local-55m"))
             model_name = f"local Llama, bench_ppo.LARGE {LARGE}, random weights (seed 0)"
-        base = Settings(model=model, reward_model="", iterations=iterations,
-                        batch_size=args.batch_size, mini_batch_size=args.mini_batch_size,
-                        ppo_epochs=args.ppo_epochs, max_new_tokens=args.max_new_tokens,
-                        num_generations=args.num_generations, lora_r=args.lora_r,
-                        threads=args.threads)
+        base = Settings(
+            model=model,
+            reward_model="",
+            iterations=iterations,
+            batch_size=args.batch_size,
+            mini_batch_size=args.mini_batch_size,
+            ppo_epochs=args.ppo_epochs,
+            max_new_tokens=args.max_new_tokens,
+            num_generations=args.num_generations,
+            lora_r=args.lora_r,
+            threads=args.threads,
+        )
         if args.reward_model:
             rm = {"path": str(Path(args.reward_model).resolve()), "trained_here": False}
         else:
@@ -457,8 +577,10 @@ def main() -> None:
             for kind in ("ours", "trl"):
                 runs.append({"round": n, **spawn(kind, s, work / f"{kind}-{n}", f"{kind}-{n}")})
         mem_s = Settings(**{**asdict(s), "iterations": args.memory_iterations})
-        memory = {kind: spawn(kind, mem_s, work / f"mem-{kind}", f"mem-{kind}")
-                  for kind in ("ours", "ours-full")}
+        memory = {
+            kind: spawn(kind, mem_s, work / f"mem-{kind}", f"mem-{kind}")
+            for kind in ("ours", "ours-full")
+        }
         facts = model_facts(s)
         recipe = recipe_facts(s, work)
 
@@ -468,8 +590,9 @@ def main() -> None:
     theirs = [r for r in runs if r["impl"] == "trl"]
     pairs = list(zip(ours, theirs, strict=True))
     ratio = [round(a["iteration_s_median"] / b["iteration_s_median"], 3) for a, b in pairs]
-    tok_ratio = [round(a["tokens_generated_per_s"] / b["tokens_generated_per_s"], 3)
-                 for a, b in pairs]
+    tok_ratio = [
+        round(a["tokens_generated_per_s"] / b["tokens_generated_per_s"], 3) for a, b in pairs
+    ]
     rss_ratio = [round(a["peak_rss_mb"] / b["peak_rss_mb"], 3) for a, b in pairs]
     lora_mem, full_mem = memory["ours"], memory["ours-full"]
     command = "python bench/bench_peer.py " + " ".join(sys.argv[1:])
@@ -478,57 +601,89 @@ def main() -> None:
         "command": command.strip(),
         "smoke": args.smoke,
         "settings": {
-            "policy": model_name, "policy_parameters": facts["parameters"],
-            "dtype": "float32", "device": "cpu", "lora": facts["lora"],
+            "policy": model_name,
+            "policy_parameters": facts["parameters"],
+            "dtype": "float32",
+            "device": "cpu",
+            "lora": facts["lora"],
             "lora_trainable_parameters": facts["lora_trainable_parameters"],
-            "reward_model": {"what": "all-MiniLM-L6-v2 + 1-logit head trained by `rlhf "
-                             "train-rm` on recipes/tiny.yaml (data/tiny/preferences.jsonl)",
-                             "template": REWARD_TEMPLATE, **{k: v for k, v in rm.items()
-                                                            if k != "path"}},
-            "prompts": recipe["prompts"], **recipe["optimisation"],
-            "batch_size": s.batch_size, "mini_batch_size": s.mini_batch_size,
-            "gradient_accumulation_steps": 1, "ppo_epochs": s.ppo_epochs,
-            "trl_num_iterations": s.ppo_epochs, "trl_num_generations": s.num_generations,
-            "prompts_per_iteration": {"ours": s.batch_size,
-                                      "trl": s.batch_size // s.num_generations},
+            "reward_model": {
+                "what": "all-MiniLM-L6-v2 + 1-logit head trained by `rlhf "
+                "train-rm` on recipes/tiny.yaml (data/tiny/preferences.jsonl)",
+                "template": REWARD_TEMPLATE,
+                **{k: v for k, v in rm.items() if k != "path"},
+            },
+            "prompts": recipe["prompts"],
+            **recipe["optimisation"],
+            "batch_size": s.batch_size,
+            "mini_batch_size": s.mini_batch_size,
+            "gradient_accumulation_steps": 1,
+            "ppo_epochs": s.ppo_epochs,
+            "trl_num_iterations": s.ppo_epochs,
+            "trl_num_generations": s.num_generations,
+            "prompts_per_iteration": {
+                "ours": s.batch_size,
+                "trl": s.batch_size // s.num_generations,
+            },
             "optimizer_steps_per_iteration": s.steps_per_iteration,
-            "max_new_tokens": s.max_new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-            "trl_gradient_checkpointing": False, "trl_optim": "adamw_torch",
+            "max_new_tokens": s.max_new_tokens,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "trl_gradient_checkpointing": False,
+            "trl_optim": "adamw_torch",
             "iterations_per_run": s.iterations,
-            "rounds": args.rounds, "order": [r["tag"] for r in runs],
+            "rounds": args.rounds,
+            "order": [r["tag"] for r in runs],
             "threads": args.threads or ours[0]["threads"],
-            "memory_iterations_per_run": args.memory_iterations, "seed": s.seed,
+            "memory_iterations_per_run": args.memory_iterations,
+            "seed": s.seed,
         },
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "torch_threads_default": torch.get_num_threads(),
-                    "load_average_1m": {"start": round(load_at_start[0], 2),
-                                        "end": round(os.getloadavg()[0], 2)},
-                    **versions()},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "torch_threads_default": torch.get_num_threads(),
+            "load_average_1m": {
+                "start": round(load_at_start[0], 2),
+                "end": round(os.getloadavg()[0], 2),
+            },
+            **versions(),
+        },
         "timing_definitions": {
             "iteration_s": "ours: time/iteration_s from metrics.jsonl; trl: sum of the "
-                           "on_step_begin→on_step_end times of the optimizer steps that share "
-                           "one generation batch; medians skip iteration 1 (warm-up)",
+            "on_step_begin→on_step_end times of the optimizer steps that share "
+            "one generation batch; medians skip iteration 1 (warm-up)",
             "step_s_median": "trl only: per optimizer step, skipping step 1",
             "tokens_generated_per_s": "completion tokens (EOS included) / generation time "
-                                      "(ours: time/rollout_s; trl: _generate_single_turn)",
+            "(ours: time/rollout_s; trl: _generate_single_turn)",
             "throughput_tokens_per_s": "completion tokens / iteration_s",
             "peak_rss_mb": "getrusage ru_maxrss of the run's own process (imports, models, "
-                           "training; ours also its final checkpoint and adapter save)",
+            "training; ours also its final checkpoint and adapter save)",
             "peak_rss_train_mb": "ours only: ru_maxrss just before the final checkpoint",
             "rss_before_run_ppo_mb": "ours: ru_maxrss with the libraries imported, before "
-                                     "run_ppo loads any model",
+            "run_ppo loads any model",
             "rss_before_train_mb": "trl: ru_maxrss with the policy, reward model and trainer "
-                                   "built, before trainer.train()",
+            "built, before trainer.train()",
             "ratios": "ours / trl per round: iteration_s > 1 means ours is slower; "
-                      "tokens_generated_per_s > 1 means ours generates faster",
+            "tokens_generated_per_s > 1 means ours generates faster",
         },
         "runs": runs,
         "medians": {
-            impl: {key: summarize(group, key) for key in (
-                "iteration_s_median", "generation_s_median", "tokens_generated_per_s",
-                "throughput_tokens_per_s", "completion_length_mean", "peak_rss_mb",
-                "peak_rss_train_mb")}
-            for impl, group in (("ours", ours), ("trl", theirs))},
+            impl: {
+                key: summarize(group, key)
+                for key in (
+                    "iteration_s_median",
+                    "generation_s_median",
+                    "tokens_generated_per_s",
+                    "throughput_tokens_per_s",
+                    "completion_length_mean",
+                    "peak_rss_mb",
+                    "peak_rss_train_mb",
+                )
+            }
+            for impl, group in (("ours", ours), ("trl", theirs))
+        },
         "ratio_ours_over_trl": {
             "iteration_s": {"per_round": ratio, "median": median(ratio, 3)},
             "tokens_generated_per_s": {"per_round": tok_ratio, "median": median(tok_ratio, 3)},
@@ -537,26 +692,33 @@ def main() -> None:
         "memory_reference": {
             "lora_adapter_disabled_reference": {
                 "config": "model.lora.enabled: true (r as above): the reference is the policy "
-                          "with its adapter disabled (one copy of the weights); trained: the "
-                          "adapter and the value head",
-                **{k: lora_mem[k] for k in MEMORY_KEYS}},
+                "with its adapter disabled (one copy of the weights); trained: the "
+                "adapter and the value head",
+                **{k: lora_mem[k] for k in MEMORY_KEYS},
+            },
             "full_weights_frozen_copy_reference": {
                 "config": "model.lora.enabled: false: all weights trained (gradients and AdamW "
-                          "state for all), the reference is a separate frozen copy",
-                **{k: full_mem[k] for k in MEMORY_KEYS}},
+                "state for all), the reference is a separate frozen copy",
+                **{k: full_mem[k] for k in MEMORY_KEYS},
+            },
             "extra_peak_rss_mb": round(full_mem["peak_rss_mb"] - lora_mem["peak_rss_mb"], 1),
-            "extra_peak_rss_train_mb": round(full_mem["peak_rss_train_mb"]
-                                             - lora_mem["peak_rss_train_mb"], 1)
-            if full_mem["peak_rss_train_mb"] and lora_mem["peak_rss_train_mb"] else None,
+            "extra_peak_rss_train_mb": round(
+                full_mem["peak_rss_train_mb"] - lora_mem["peak_rss_train_mb"], 1
+            )
+            if full_mem["peak_rss_train_mb"] and lora_mem["peak_rss_train_mb"]
+            else None,
             "note": "full weights change what is trained, so these runs are not comparable "
-                    "with TRL's LoRA runs above; iterations per run: "
-                    f"{args.memory_iterations}",
+            "with TRL's LoRA runs above; iterations per run: "
+            f"{args.memory_iterations}",
         },
         "total_wall_s": round(time.perf_counter() - started, 1),
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out} in {report['total_wall_s']} s: ours/trl iteration time "
-          f"{report['ratio_ours_over_trl']['iteration_s']['median']}", file=sys.stderr)
+    print(
+        f"wrote {args.out} in {report['total_wall_s']} s: ours/trl iteration time "
+        f"{report['ratio_ours_over_trl']['iteration_s']['median']}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -25,9 +25,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SPLIT = ["time/rollout_s", "time/score_s", "time/logprobs_s", "time/update_s"]
-LARGE = dict(hidden_size=640, intermediate_size=1728, num_hidden_layers=12,
-             num_attention_heads=10, num_key_value_heads=5, max_position_embeddings=512,
-             tie_word_embeddings=True)
+LARGE = dict(
+    hidden_size=640,
+    intermediate_size=1728,
+    num_hidden_layers=12,
+    num_attention_heads=10,
+    num_key_value_heads=5,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
 
 
 def build_large(folder: Path) -> Path:
@@ -38,9 +44,14 @@ def build_large(folder: Path) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm_path())
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer),
-                                         pad_token_id=tokenizer.pad_token_id,
-                                         eos_token_id=tokenizer.eos_token_id, **LARGE))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **LARGE,
+        )
+    )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -53,8 +64,9 @@ def tiny_recipe_data(work: Path, run_name: str, iterations: int) -> dict:
 
     data = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
     for key in ("sft", "preferences", "prompts"):
-        data["data"][key]["path"] = str(ROOT / "data" / "tiny" / Path(
-            data["data"][key]["path"]).name)
+        data["data"][key]["path"] = str(
+            ROOT / "data" / "tiny" / Path(data["data"][key]["path"]).name
+        )
     data["audit"]["prompts_file"] = str(ROOT / "data" / "tiny" / "audit_prompts.txt")
     data["run"].update(name=run_name, output_dir=str(work / "runs"))
     data["ppo"].update(iterations=iterations, save_freq=10_000, log_every=10_000)
@@ -69,8 +81,11 @@ def recipe_for(name: str, work: Path, iterations: int) -> Path:
         data["run"]["name"] = f"bench-{name}"
         data["model"]["name_or_path"] = str(build_large(work / name))
         data["sft"]["enabled"] = False
-        data["reward"] = {**data["reward"], "base_model": None,
-                          "pretrained": str(work / "runs" / "bench-tiny" / "rm" / "model")}
+        data["reward"] = {
+            **data["reward"],
+            "base_model": None,
+            "pretrained": str(work / "runs" / "bench-tiny" / "rm" / "model"),
+        }
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -107,24 +122,35 @@ def one(name: str, work: Path, iterations: int) -> dict:
     config = AutoConfig.from_pretrained(resolve_model_path(recipe.model.name_or_path))
     n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     return {
-        "config": name, "policy_parameters": n_params, "iterations": len(rows),
-        "settings": {k: getattr(recipe.ppo, k) for k in ("batch_size", "mini_batch_size",
-                                                          "ppo_epochs",
-                                                          "gradient_accumulation_steps")}
-        | {"max_new_tokens": recipe.ppo.generation.max_new_tokens,
-           "lora_r": recipe.model.lora.r, "device": recipe.run.device},
+        "config": name,
+        "policy_parameters": n_params,
+        "iterations": len(rows),
+        "settings": {
+            k: getattr(recipe.ppo, k)
+            for k in ("batch_size", "mini_batch_size", "ppo_epochs", "gradient_accumulation_steps")
+        }
+        | {
+            "max_new_tokens": recipe.ppo.generation.max_new_tokens,
+            "lora_r": recipe.model.lora.r,
+            "device": recipe.run.device,
+        },
         "median_s": {k.removeprefix("time/"): round(v, 4) for k, v in med.items()},
-        "share": {k.removeprefix("time/").removesuffix("_s"): round(med[k] / med[
-            "time/iteration_s"], 3) for k in SPLIT},
+        "share": {
+            k.removeprefix("time/").removesuffix("_s"): round(med[k] / med["time/iteration_s"], 3)
+            for k in SPLIT
+        },
         "outside_share": round(1 - inside / med["time/iteration_s"], 3),
-        "tokens_generated_per_s": round(statistics.median(r["tokens/generated_per_s"]
-                                                          for r in steady), 1),
-        "response_length_mean": round(statistics.median(r["response/length_mean"]
-                                                        for r in steady), 1),
+        "tokens_generated_per_s": round(
+            statistics.median(r["tokens/generated_per_s"] for r in steady), 1
+        ),
+        "response_length_mean": round(
+            statistics.median(r["response/length_mean"] for r in steady), 1
+        ),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "rss_before_ppo_mb": round(rss_before / 1024, 1),
         "peak_cuda_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        if torch.cuda.is_available() else None,
+        if torch.cuda.is_available()
+        else None,
     }
 
 
@@ -142,16 +168,34 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="rlhf-bench-") as work:
         for name in ("tiny", "local-55m"):
-            out = subprocess.run([sys.executable, __file__, "--one", name, "--work", work,
-                                  "--iterations", str(args.iterations)], check=True,
-                                 capture_output=True, text=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    name,
+                    "--work",
+                    work,
+                    "--iterations",
+                    str(args.iterations),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(json.dumps(results[-1]), file=sys.stderr)
     import torch
 
-    report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                          "torch": torch.__version__, "threads": torch.get_num_threads()},
-              "results": results}
+    report = {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        "results": results,
+    }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -24,24 +24,60 @@ import yaml
 from bench_ppo import tiny_recipe_data
 
 SHAPES = {
-    "tiny": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2)),
-    "qwen0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                               num_attention_heads=14, num_key_value_heads=2,
-                               tie_word_embeddings=True)),
-    "mistral7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336,
-                                  num_hidden_layers=32, num_attention_heads=32,
-                                  num_key_value_heads=8)),
+    "tiny": (
+        "llama",
+        dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+    ),
+    "qwen0.5b": (
+        "qwen2",
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "mistral7b": (
+        "mistral",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+        ),
+    ),
 }
 PPO = {
-    "tiny": dict(batch_size=8, mini_batch_size=4, gradient_accumulation_steps=1, ppo_epochs=1,
-                 generation=dict(max_new_tokens=16)),
-    "qwen0.5b": dict(batch_size=16, mini_batch_size=4, gradient_accumulation_steps=2,
-                     ppo_epochs=4, generation=dict(max_new_tokens=128, temperature=0.8,
-                                                   top_p=0.9)),
-    "mistral7b": dict(batch_size=32, mini_batch_size=4, gradient_accumulation_steps=2,
-                      ppo_epochs=4, generation=dict(max_new_tokens=200, temperature=0.8,
-                                                    top_p=0.9)),
+    "tiny": dict(
+        batch_size=8,
+        mini_batch_size=4,
+        gradient_accumulation_steps=1,
+        ppo_epochs=1,
+        generation=dict(max_new_tokens=16),
+    ),
+    "qwen0.5b": dict(
+        batch_size=16,
+        mini_batch_size=4,
+        gradient_accumulation_steps=2,
+        ppo_epochs=4,
+        generation=dict(max_new_tokens=128, temperature=0.8, top_p=0.9),
+    ),
+    "mistral7b": dict(
+        batch_size=32,
+        mini_batch_size=4,
+        gradient_accumulation_steps=2,
+        ppo_epochs=4,
+        generation=dict(max_new_tokens=200, temperature=0.8, top_p=0.9),
+    ),
 }
 
 
@@ -53,9 +89,14 @@ def build(shape: str, folder: Path) -> Path:
 
     kind, dims = SHAPES[shape]
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm_path())
-    config = AutoConfig.for_model(kind, vocab_size=len(tokenizer), max_position_embeddings=4096,
-                                  pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, **dims)
+    config = AutoConfig.for_model(
+        kind,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **dims,
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):  # a 7B model is initialised on the GPU in seconds
@@ -73,8 +114,12 @@ def recipe(shape: str, work: Path, iterations: int) -> Path:
     data["sft"]["enabled"] = False
     data["model"].update(name_or_path=str(build(shape, work / shape)), dtype="bfloat16")
     if shape == "mistral7b":
-        data["model"]["quantization"] = {"load_in_4bit": True, "quant_type": "nf4",
-                                         "double_quant": True, "compute_dtype": "bfloat16"}
+        data["model"]["quantization"] = {
+            "load_in_4bit": True,
+            "quant_type": "nf4",
+            "double_quant": True,
+            "compute_dtype": "bfloat16",
+        }
     data["reward"] = {**data["reward"], "base_model": None, "pretrained": "builtin:minilm"}
     data["ppo"].update(PPO[shape], learning_rate=1.4e-5)
     path = work / f"{shape}.yaml"
@@ -99,16 +144,27 @@ def check(shape: str, iterations: int) -> dict:
             torch.cuda.reset_peak_memory_stats()
         run_ppo(r, Console(stderr=True, quiet=True))
         rows = read_metrics(Path(r.run.output_dir) / r.run.name / "ppo" / "metrics.jsonl")
-    keys = ["time/rollout_s", "time/score_s", "time/logprobs_s", "time/update_s",
-            "time/iteration_s"]
-    return {"shape": shape, "iterations": len(rows), "build_s": round(build_s, 1),
-            "ppo": {k: v for k, v in PPO[shape].items()},
-            "median_s": {k: round(statistics.median(x[k] for x in rows), 3) for k in keys},
-            "tokens_generated_per_s": round(statistics.median(
-                x["tokens/generated_per_s"] for x in rows), 1),
-            "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
-            if torch.cuda.is_available() else None,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    keys = [
+        "time/rollout_s",
+        "time/score_s",
+        "time/logprobs_s",
+        "time/update_s",
+        "time/iteration_s",
+    ]
+    return {
+        "shape": shape,
+        "iterations": len(rows),
+        "build_s": round(build_s, 1),
+        "ppo": {k: v for k, v in PPO[shape].items()},
+        "median_s": {k: round(statistics.median(x[k] for x in rows), 3) for k in keys},
+        "tokens_generated_per_s": round(
+            statistics.median(x["tokens/generated_per_s"] for x in rows), 1
+        ),
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if torch.cuda.is_available()
+        else None,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
 
 
 def main() -> None:

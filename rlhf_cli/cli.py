@@ -25,19 +25,34 @@ from rlhf_cli.recipe import Recipe, default_recipe_path, load_recipe
 from rlhf_cli.rundir import RunDir, recipe_near
 from rlhf_cli.tracking import make_console, quiet_libraries
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="The four-stage RLHF pipeline (SFT, reward model, PPO, audit) from one "
-                       "YAML recipe. Run the stages in order; each reads the previous one's "
-                       "run directory.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="The four-stage RLHF pipeline (SFT, reward model, PPO, audit) from one "
+    "YAML recipe. Run the stages in order; each reads the previous one's "
+    "run directory.",
+)
 F = TypeVar("F", bound=Callable[..., Any])
 
-RecipeOpt = Annotated[Path | None, typer.Option(
-    "--recipe", "-r",
-    help="Recipe YAML. Default: the latest run's recipe, else recipes/tiny.yaml.")]
+RecipeOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--recipe",
+        "-r",
+        help="Recipe YAML. Default: the latest run's recipe, else recipes/tiny.yaml.",
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary output.")]
-RunsOpt = Annotated[Path, typer.Option("--runs-dir", envvar="RLHF_RUNS_DIR",
-                                       help="Where runs/LATEST is looked up without --recipe.")]
+RunsOpt = Annotated[
+    Path,
+    typer.Option(
+        "--runs-dir",
+        envvar="RLHF_RUNS_DIR",
+        help="Where runs/LATEST is looked up without --recipe.",
+    ),
+]
 
 
 def _exit_on_errors(fn: F) -> F:
@@ -85,8 +100,14 @@ def _emit(manifest: dict[str, Any], as_json: bool, quiet: bool, title: str) -> N
     console.print(table)
 
 
-def _stage(run_fn: Callable[[Recipe, Any], dict[str, Any]], stage: str, recipe: Path | None,
-           as_json: bool, quiet: bool, runs_dir: Path) -> None:
+def _stage(
+    run_fn: Callable[[Recipe, Any], dict[str, Any]],
+    stage: str,
+    recipe: Path | None,
+    as_json: bool,
+    quiet: bool,
+    runs_dir: Path,
+) -> None:
     quiet_libraries()
     resolved = resolve_recipe(recipe, runs_dir)
     manifest = run_fn(resolved, make_console(quiet, as_json))
@@ -96,8 +117,9 @@ def _stage(run_fn: Callable[[Recipe, Any], dict[str, Any]], stage: str, recipe: 
 
 @app.command()
 @_exit_on_errors
-def validate(recipe: RecipeOpt = None, as_json: JsonOpt = False,
-             runs_dir: RunsOpt = Path("runs")) -> None:
+def validate(
+    recipe: RecipeOpt = None, as_json: JsonOpt = False, runs_dir: RunsOpt = Path("runs")
+) -> None:
     """Validate a recipe and print it fully resolved (defaults filled in)."""
     resolved = resolve_recipe(recipe, runs_dir)
     if as_json:
@@ -108,8 +130,12 @@ def validate(recipe: RecipeOpt = None, as_json: JsonOpt = False,
 
 @app.command()
 @_exit_on_errors
-def sft(recipe: RecipeOpt = None, as_json: JsonOpt = False, quiet: QuietOpt = False,
-        runs_dir: RunsOpt = Path("runs")) -> None:
+def sft(
+    recipe: RecipeOpt = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
     """Stage 2: supervised fine-tuning (TRL SFTTrainer, LoRA / 4-bit when asked)."""
     from rlhf_cli.stages.sft import run_sft
 
@@ -118,8 +144,12 @@ def sft(recipe: RecipeOpt = None, as_json: JsonOpt = False, quiet: QuietOpt = Fa
 
 @app.command("train-rm")
 @_exit_on_errors
-def train_rm(recipe: RecipeOpt = None, as_json: JsonOpt = False, quiet: QuietOpt = False,
-             runs_dir: RunsOpt = Path("runs")) -> None:
+def train_rm(
+    recipe: RecipeOpt = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
     """Stage 3: reward model from preference pairs (TRL RewardTrainer)."""
     from rlhf_cli.stages.reward import run_train_rm
 
@@ -128,10 +158,15 @@ def train_rm(recipe: RecipeOpt = None, as_json: JsonOpt = False, quiet: QuietOpt
 
 @app.command()
 @_exit_on_errors
-def ppo(recipe: RecipeOpt = None, resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue from the newest good checkpoint.")] = False,
-        as_json: JsonOpt = False, quiet: QuietOpt = False,
-        runs_dir: RunsOpt = Path("runs")) -> None:
+def ppo(
+    recipe: RecipeOpt = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue from the newest good checkpoint.")
+    ] = False,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
     """Stage 4: PPO against the frozen reward model, per-token KL to the frozen reference."""
     from rlhf_cli.stages.ppo import run_ppo
 
@@ -140,16 +175,30 @@ def ppo(recipe: RecipeOpt = None, resume: Annotated[bool, typer.Option(
 
 @app.command()
 @_exit_on_errors
-def audit(checkpoint: Annotated[Path | None, typer.Argument(
-              help="PPO run, checkpoint (ppo/checkpoints/iter_N), adapter or merged model "
-                   "folder. Default: the latest run's final policy.")] = None,
-          responses: Annotated[Path | None, typer.Option(
-              "--responses", help="Audit responses generated elsewhere: JSONL rows with "
-                                  "`prompt` and `response`.")] = None,
-          samples: Annotated[int | None, typer.Option(
-              "--samples", min=1, help="Responses per prompt (default: audit.samples).")] = None,
-          recipe: RecipeOpt = None, as_json: JsonOpt = False, quiet: QuietOpt = False,
-          runs_dir: RunsOpt = Path("runs")) -> None:
+def audit(
+    checkpoint: Annotated[
+        Path | None,
+        typer.Argument(
+            help="PPO run, checkpoint (ppo/checkpoints/iter_N), adapter or merged model "
+            "folder. Default: the latest run's final policy."
+        ),
+    ] = None,
+    responses: Annotated[
+        Path | None,
+        typer.Option(
+            "--responses",
+            help="Audit responses generated elsewhere: JSONL rows with `prompt` and `response`.",
+        ),
+    ] = None,
+    samples: Annotated[
+        int | None,
+        typer.Option("--samples", min=1, help="Responses per prompt (default: audit.samples)."),
+    ] = None,
+    recipe: RecipeOpt = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
     """Reward-hacking audit: verbosity, sycophancy, repetition. Exit 1 when detected."""
     from rlhf_cli.errors import HackingDetected
     from rlhf_cli.stages.audit import run_audit
@@ -165,10 +214,15 @@ def audit(checkpoint: Annotated[Path | None, typer.Argument(
 
 @app.command()
 @_exit_on_errors
-def merge(stage: Annotated[str, typer.Option(
-              "--stage", help="Which adapter to merge: ppo (default) or sft.")] = "ppo",
-          recipe: RecipeOpt = None, as_json: JsonOpt = False, quiet: QuietOpt = False,
-          runs_dir: RunsOpt = Path("runs")) -> None:
+def merge(
+    stage: Annotated[
+        str, typer.Option("--stage", help="Which adapter to merge: ppo (default) or sft.")
+    ] = "ppo",
+    recipe: RecipeOpt = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
     """Merge the latest run's PPO LoRA adapter into its base (fp16/bf16, never 4-bit)."""
     from rlhf_cli.errors import RlhfError as UsageError
     from rlhf_cli.stages.merge import run_merge
@@ -180,13 +234,22 @@ def merge(stage: Annotated[str, typer.Option(
 
 @app.command()
 @_exit_on_errors
-def push(adapter_only: Annotated[bool, typer.Option(
-             "--adapter-only", help="Push the LoRA adapter instead of the merged model.")] = False,
-         dry_run: Annotated[bool, typer.Option(
-             "--dry-run", help="Write the model card and show what would be sent; no upload."
-         )] = False,
-         recipe: RecipeOpt = None, as_json: JsonOpt = False, quiet: QuietOpt = False,
-         runs_dir: RunsOpt = Path("runs")) -> None:
+def push(
+    adapter_only: Annotated[
+        bool,
+        typer.Option("--adapter-only", help="Push the LoRA adapter instead of the merged model."),
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", help="Write the model card and show what would be sent; no upload."
+        ),
+    ] = False,
+    recipe: RecipeOpt = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
     """Publish the merged model (or adapter) to push.repo_id with a model card.
 
     The token comes from HF_TOKEN or your saved login (`hf auth login`), never the recipe.
@@ -200,15 +263,19 @@ def push(adapter_only: Annotated[bool, typer.Option(
     elif not quiet:
         for name in result["files"]:
             typer.echo(f"  {name}")
-        typer.echo(f"{'would push' if dry_run else 'pushed'} {result['folder']} → "
-                   f"{result.get('url', result['repo_id'])}")
+        typer.echo(
+            f"{'would push' if dry_run else 'pushed'} {result['folder']} → "
+            f"{result.get('url', result['repo_id'])}"
+        )
 
 
 @app.command()
 @_exit_on_errors
-def report(run: Annotated[str | None, typer.Argument(
-               help="Run name (default: the latest run).")] = None,
-           as_json: JsonOpt = False, runs_dir: RunsOpt = Path("runs")) -> None:
+def report(
+    run: Annotated[str | None, typer.Argument(help="Run name (default: the latest run).")] = None,
+    as_json: JsonOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
     """Plot a run's PPO curves to ppo/report.png and ppo/report.html."""
     from rlhf_cli.stages.report import run_report
 
@@ -218,11 +285,15 @@ def report(run: Annotated[str | None, typer.Argument(
 
 @app.command()
 @_exit_on_errors
-def compare(prompt: Annotated[list[str] | None, typer.Option(
-                "--prompt", "-p", help="A prompt (repeatable). Default: the audit prompts.")]
-            = None,
-            recipe: RecipeOpt = None, as_json: JsonOpt = False,
-            runs_dir: RunsOpt = Path("runs")) -> None:
+def compare(
+    prompt: Annotated[
+        list[str] | None,
+        typer.Option("--prompt", "-p", help="A prompt (repeatable). Default: the audit prompts."),
+    ] = None,
+    recipe: RecipeOpt = None,
+    as_json: JsonOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
     """The guide's quick inference test: SFT vs PPO answers with their reward scores."""
     from rlhf_cli.stages.compare import run_compare
 
@@ -235,8 +306,10 @@ def compare(prompt: Annotated[list[str] | None, typer.Option(
     for column in ("prompt", "SFT", "PPO"):
         table.add_column(column, overflow="fold")
     for row in rows:
-        score = {k: f"\n[dim]reward {row[k + '_score']:+.3f}[/]" if k + "_score" in row else ""
-                 for k in ("sft", "ppo")}
+        score = {
+            k: f"\n[dim]reward {row[k + '_score']:+.3f}[/]" if k + "_score" in row else ""
+            for k in ("sft", "ppo")
+        }
         table.add_row(row["prompt"], row["sft"] + score["sft"], row["ppo"] + score["ppo"])
     make_console().print(table)
 

@@ -37,15 +37,20 @@ def load_rows(source: DataSource, cache_dir: str | Path | None = None) -> list[d
         raise DataError(f"dataset '{source.path}' is empty")
     try:
         if path.suffix in FORMATS and path.exists():
-            ds = datasets.load_dataset(FORMATS[path.suffix], data_files=str(path), split="train",
-                                       cache_dir=str(cache_dir) if cache_dir else None)
+            ds = datasets.load_dataset(
+                FORMATS[path.suffix],
+                data_files=str(path),
+                split="train",
+                cache_dir=str(cache_dir) if cache_dir else None,
+            )
         elif path.suffix == ".txt" and path.exists():
             lines = path.read_text(encoding="utf-8").splitlines()
             rows = [{"prompt": line.strip()} for line in lines if line.strip()]
             return rows[: source.max_samples] if source.max_samples else rows
         else:
-            ds = datasets.load_dataset(source.path, split=source.split,
-                                       cache_dir=str(cache_dir) if cache_dir else None)
+            ds = datasets.load_dataset(
+                source.path, split=source.split, cache_dir=str(cache_dir) if cache_dir else None
+            )
     except Exception as exc:  # datasets raises many types; all mean "cannot read this source"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         raise DataError(f"cannot load dataset '{source.path}': {first}") from None
@@ -61,8 +66,10 @@ def _require(rows: list[dict[str, Any]], source: DataSource, *options: tuple[str
     columns = set(rows[0]) if rows else set()
     if not any(set(opt) <= columns for opt in options):
         wanted = " or ".join("/".join(opt) for opt in options)
-        raise DataError(f"dataset '{source.path}' needs columns {wanted}; "
-                        f"it has {', '.join(sorted(columns)) or 'none'}")
+        raise DataError(
+            f"dataset '{source.path}' needs columns {wanted}; "
+            f"it has {', '.join(sorted(columns)) or 'none'}"
+        )
 
 
 def hh_human_turn(dialogue: str) -> str:
@@ -99,21 +106,29 @@ def load_prompts(source: PromptSource, cache_dir: str | Path | None = None) -> l
     prompts = [p.strip()[: source.max_chars] for p in map(row_prompt, rows)]
     prompts = [p for p in prompts if p and len(p.split()) >= source.min_words]
     if not prompts:
-        raise DataError(f"no prompt of '{source.path}' has {source.min_words} words or more "
-                        f"(data.prompts.min_words)")
+        raise DataError(
+            f"no prompt of '{source.path}' has {source.min_words} words or more "
+            f"(data.prompts.min_words)"
+        )
     return prompts
 
 
-def load_preferences(source: DataSource,
-                     cache_dir: str | Path | None = None) -> list[dict[str, str]]:
+def load_preferences(
+    source: DataSource, cache_dir: str | Path | None = None
+) -> list[dict[str, str]]:
     """Preference pairs as `prompt`/`chosen`/`rejected` strings."""
     rows = load_rows(source, cache_dir)
     _require(rows, source, ("prompt", "chosen", "rejected"), ("chosen", "rejected"))
     pairs = []
     for row in rows:
         if "prompt" in row:
-            pairs.append({"prompt": str(row["prompt"]), "chosen": str(row["chosen"]),
-                          "rejected": str(row["rejected"])})
+            pairs.append(
+                {
+                    "prompt": str(row["prompt"]),
+                    "chosen": str(row["chosen"]),
+                    "rejected": str(row["rejected"]),
+                }
+            )
             continue
         prompt, chosen = hh_split(str(row["chosen"]))
         _, rejected = hh_split(str(row["rejected"]))
@@ -121,12 +136,20 @@ def load_preferences(source: DataSource,
     return pairs
 
 
-def load_sft(source: DataSource, chat: bool,
-             cache_dir: str | Path | None = None) -> list[dict[str, Any]]:
+def load_sft(
+    source: DataSource, chat: bool, cache_dir: str | Path | None = None
+) -> list[dict[str, Any]]:
     """SFT rows in one of TRL's formats: conversational prompt/completion, messages, or text."""
     rows = load_rows(source, cache_dir)
-    _require(rows, source, ("messages",), ("prompt", "response"), ("prompt", "completion"),
-             ("instruction", "output"), ("text",))
+    _require(
+        rows,
+        source,
+        ("messages",),
+        ("prompt", "response"),
+        ("prompt", "completion"),
+        ("instruction", "output"),
+        ("text",),
+    )
     out = []
     for row in rows:
         if "messages" in row:
@@ -138,8 +161,12 @@ def load_sft(source: DataSource, chat: bool,
         prompt = str(row.get("prompt") or row.get("instruction") or "")
         answer = str(row.get("response") or row.get("completion") or row.get("output") or "")
         if chat:
-            out.append({"prompt": [{"role": "user", "content": prompt}],
-                        "completion": [{"role": "assistant", "content": answer}]})
+            out.append(
+                {
+                    "prompt": [{"role": "user", "content": prompt}],
+                    "completion": [{"role": "assistant", "content": answer}],
+                }
+            )
         else:
             out.append({"prompt": prompt, "completion": answer})
     return out
@@ -174,8 +201,9 @@ def read_responses(path: Path) -> tuple[list[str], list[str]]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:  # a binary file: without this, exit 1 would read as "hacking"
-        raise DataError(f"{path}: not UTF-8 text (JSONL rows with `prompt` and `response`)"
-                        ) from None
+        raise DataError(
+            f"{path}: not UTF-8 text (JSONL rows with `prompt` and `response`)"
+        ) from None
     prompts, responses = [], []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

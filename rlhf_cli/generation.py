@@ -60,13 +60,18 @@ class Generator(Protocol):
 # ── prompts in, token tensors out ───────────────────────────────────────────────────────────────
 
 
-def tokenize_prompts(tokenizer: Any, prompts: list[str], chat: bool,
-                     max_tokens: int) -> list[list[int]]:
+def tokenize_prompts(
+    tokenizer: Any, prompts: list[str], chat: bool, max_tokens: int
+) -> list[list[int]]:
     """Token ids of each prompt (chat template with the generation prompt when `chat`),
     truncated from the left to `max_tokens` so the generation prompt survives."""
     if chat and tokenizer.chat_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in prompts]
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+            for p in prompts
+        ]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompts)["input_ids"]
@@ -79,8 +84,8 @@ def left_pad(queries: list[list[int]], pad_id: int, device: torch.device) -> tup
     ids = torch.full((len(queries), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(queries), width), dtype=torch.long)
     for row, query in enumerate(queries):
-        ids[row, width - len(query):] = torch.tensor(query)
-        mask[row, width - len(query):] = 1
+        ids[row, width - len(query) :] = torch.tensor(query)
+        mask[row, width - len(query) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -99,16 +104,21 @@ def response_mask_from(response_ids: Tensor, stop_ids: list[int]) -> tuple[Tenso
     """
     is_stop = torch.isin(response_ids, torch.tensor(stop_ids, device=response_ids.device))
     ended = is_stop.any(dim=1)
-    first_stop = torch.where(ended, is_stop.float().argmax(dim=1),
-                             torch.full_like(ended, response_ids.shape[1] - 1, dtype=torch.long))
+    first_stop = torch.where(
+        ended,
+        is_stop.float().argmax(dim=1),
+        torch.full_like(ended, response_ids.shape[1] - 1, dtype=torch.long),
+    )
     positions = torch.arange(response_ids.shape[1], device=response_ids.device)
     return positions.unsqueeze(0) <= first_stop.unsqueeze(1), ended
 
 
 def decode(tokenizer: Any, response_ids: Tensor, response_mask: Tensor) -> list[str]:
     """Text of each response's valid tokens, special tokens dropped."""
-    return [tokenizer.decode(ids[mask], skip_special_tokens=True).strip()
-            for ids, mask in zip(response_ids.cpu(), response_mask.cpu(), strict=True)]
+    return [
+        tokenizer.decode(ids[mask], skip_special_tokens=True).strip()
+        for ids, mask in zip(response_ids.cpu(), response_mask.cpu(), strict=True)
+    ]
 
 
 # ── the distribution the tokens were drawn from ─────────────────────────────────────────────────
@@ -122,8 +132,12 @@ def position_ids_from(attention_mask: Tensor) -> Tensor:
 
 def forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """Logits (b, t, vocab) of a causal LM at generation's positions, without a KV cache."""
-    return model(input_ids=input_ids, attention_mask=attention_mask,
-                 position_ids=position_ids_from(attention_mask), use_cache=False).logits
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from(attention_mask),
+        use_cache=False,
+    ).logits
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
@@ -138,14 +152,15 @@ def score_temperature(gen: GenerationSection) -> float:
     return gen.temperature if gen.do_sample else 1.0
 
 
-def response_logprobs(logits: Tensor, response_ids: Tensor, query_width: int,
-                      temperature: float) -> tuple[Tensor, Tensor]:
+def response_logprobs(
+    logits: Tensor, response_ids: Tensor, query_width: int, temperature: float
+) -> tuple[Tensor, Tensor]:
     """Log-probs (b, r) of the response tokens and the scaled logits (b, r, vocab) they come from.
 
     logits (b, p + r, vocab) of the whole sequence; position p-1+i predicts response token i.
     """
     width = response_ids.shape[1]
-    step_logits = logits[:, query_width - 1: query_width - 1 + width].float() / temperature
+    step_logits = logits[:, query_width - 1 : query_width - 1 + width].float() / temperature
     return logprobs_from_logits(step_logits, response_ids), step_logits
 
 
@@ -168,17 +183,30 @@ class HFGenerator:
         query_ids, query_mask = left_pad(queries, pad_id, device)
         sample = gen.do_sample
         output = self.model.generate(
-            input_ids=query_ids, attention_mask=query_mask, max_new_tokens=gen.max_new_tokens,
-            do_sample=sample, temperature=gen.temperature if sample else None,
-            top_p=gen.top_p if sample else None, top_k=gen.top_k if sample else None,
-            eos_token_id=self.stop_ids, pad_token_id=pad_id, use_cache=True)
-        response_ids = output[:, query_ids.shape[1]:]
+            input_ids=query_ids,
+            attention_mask=query_mask,
+            max_new_tokens=gen.max_new_tokens,
+            do_sample=sample,
+            temperature=gen.temperature if sample else None,
+            top_p=gen.top_p if sample else None,
+            top_k=gen.top_k if sample else None,
+            eos_token_id=self.stop_ids,
+            pad_token_id=pad_id,
+            use_cache=True,
+        )
+        response_ids = output[:, query_ids.shape[1] :]
         response_mask, ended = response_mask_from(response_ids, self.stop_ids)
         width = max(int(response_mask.sum(1).max()), 1)
         response_ids, response_mask = response_ids[:, :width], response_mask[:, :width]
         response_ids = torch.where(response_mask, response_ids, pad_id)
-        return Generations(query_ids, query_mask, response_ids, response_mask, ended,
-                           decode(self.tokenizer, response_ids, response_mask))
+        return Generations(
+            query_ids,
+            query_mask,
+            response_ids,
+            response_mask,
+            ended,
+            decode(self.tokenizer, response_ids, response_mask),
+        )
 
 
 def generator_for(model: Any, tokenizer: Any) -> Generator:

@@ -29,8 +29,10 @@ def resolve_model_path(name: str) -> str:
         return name
     key = name.removeprefix(BUILTIN_PREFIX)
     if key not in BUILTINS:
-        raise ModelLoadError(f"unknown built-in model '{name}': choose one of "
-                             + ", ".join(BUILTIN_PREFIX + k for k in BUILTINS))
+        raise ModelLoadError(
+            f"unknown built-in model '{name}': choose one of "
+            + ", ".join(BUILTIN_PREFIX + k for k in BUILTINS)
+        )
     return str(BUILTINS[key]())
 
 
@@ -59,18 +61,21 @@ def _from_pretrained(cls: Any, path: str, **kwargs: Any) -> Any:
         raise ModelLoadError(f"cannot load '{path}': {first}") from None
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False,
-                   padding_side: str = "left") -> Any:
+def load_tokenizer(
+    name_or_path: str, trust_remote_code: bool = False, padding_side: str = "left"
+) -> Any:
     """A tokenizer with a pad token (EOS when missing) and the padding side enforced."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name_or_path)
-    tokenizer = _from_pretrained(AutoTokenizer, path, trust_remote_code=trust_remote_code,
-                                 padding_side=padding_side)
+    tokenizer = _from_pretrained(
+        AutoTokenizer, path, trust_remote_code=trust_remote_code, padding_side=padding_side
+    )
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ModelLoadError(f"tokenizer of '{name_or_path}' has neither a pad nor an EOS "
-                                 "token")
+            raise ModelLoadError(
+                f"tokenizer of '{name_or_path}' has neither a pad nor an EOS token"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = padding_side
     if tokenizer.padding_side != padding_side:
@@ -85,17 +90,23 @@ def bnb_config(q: QuantizationSection, device: torch.device) -> Any:
     try:
         import bitsandbytes  # noqa: F401
     except Exception as exc:  # an ImportError or a broken native library
-        raise ModelLoadError("model.quantization.load_in_4bit needs a working bitsandbytes "
-                             f"({exc.__class__.__name__}: {exc}); install it or turn 4-bit off"
-                             ) from None
+        raise ModelLoadError(
+            "model.quantization.load_in_4bit needs a working bitsandbytes "
+            f"({exc.__class__.__name__}: {exc}); install it or turn 4-bit off"
+        ) from None
     if device.type not in ("cuda", "cpu", "xpu"):
-        raise ModelLoadError(f"bitsandbytes cannot quantise to 4-bit on '{device.type}'; "
-                             "set model.quantization.load_in_4bit: false")
+        raise ModelLoadError(
+            f"bitsandbytes cannot quantise to 4-bit on '{device.type}'; "
+            "set model.quantization.load_in_4bit: false"
+        )
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
-                              bnb_4bit_use_double_quant=q.double_quant,
-                              bnb_4bit_compute_dtype=DTYPES[q.compute_dtype])
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+    )
 
 
 def assert_quantised(model: torch.nn.Module, name: str) -> None:
@@ -111,13 +122,19 @@ def lora_config(lora: LoraSection, task_type: str, no_dropout: bool = False) -> 
     log-probs (the recipe's dropout applies to SFT)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0 if no_dropout else
-                      lora.dropout, target_modules=lora.target_modules, bias=lora.bias,
-                      task_type=task_type)
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=0.0 if no_dropout else lora.dropout,
+        target_modules=lora.target_modules,
+        bias=lora.bias,
+        task_type=task_type,
+    )
 
 
-def load_causal_lm(name_or_path: str, model_cfg: ModelSection, device: torch.device, *,
-                   trainable: bool = True) -> Any:
+def load_causal_lm(
+    name_or_path: str, model_cfg: ModelSection, device: torch.device, *, trainable: bool = True
+) -> Any:
     """Base weights (4-bit if asked); when `trainable`, a fresh LoRA adapter if
     `model.lora.enabled` (on 4-bit weights prepared for k-bit training). Frozen otherwise."""
     from peft import get_peft_model, prepare_model_for_kbit_training
@@ -125,8 +142,10 @@ def load_causal_lm(name_or_path: str, model_cfg: ModelSection, device: torch.dev
 
     path = resolve_model_path(name_or_path)
     quant = bnb_config(model_cfg.quantization, device)
-    kwargs: dict[str, Any] = {"dtype": resolve_dtype(model_cfg.dtype, device),
-                              "trust_remote_code": model_cfg.trust_remote_code}
+    kwargs: dict[str, Any] = {
+        "dtype": resolve_dtype(model_cfg.dtype, device),
+        "trust_remote_code": model_cfg.trust_remote_code,
+    }
     if quant is not None:
         kwargs["quantization_config"] = quant
         kwargs["device_map"] = model_cfg.device_map or {"": str(device)}
@@ -146,8 +165,9 @@ def load_causal_lm(name_or_path: str, model_cfg: ModelSection, device: torch.dev
     return model
 
 
-def load_sft_model(model_cfg: ModelSection, base: str, sft_adapter: Path | None,
-                   device: torch.device) -> Any:
+def load_sft_model(
+    model_cfg: ModelSection, base: str, sft_adapter: Path | None, device: torch.device
+) -> Any:
     """The SFT model, frozen: base weights with the SFT adapter (if any) merged in. It is the
     PPO reference, and the base the PPO adapter is trained and merged on."""
     from peft import PeftModel
@@ -179,15 +199,24 @@ class Reference:
             return forward_logits(ref, input_ids, attention_mask)
 
 
-def load_reward_model(name_or_path: str, device: torch.device, dtype: str = "auto",
-                      trust_remote_code: bool = False, num_labels: int = 1) -> Any:
+def load_reward_model(
+    name_or_path: str,
+    device: torch.device,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    num_labels: int = 1,
+) -> Any:
     """A sequence-classification model with one logit (the score)."""
     from transformers import AutoModelForSequenceClassification
 
     path = resolve_model_path(name_or_path)
-    model = _from_pretrained(AutoModelForSequenceClassification, path, num_labels=num_labels,
-                             dtype=resolve_dtype(dtype, device),
-                             trust_remote_code=trust_remote_code)
+    model = _from_pretrained(
+        AutoModelForSequenceClassification,
+        path,
+        num_labels=num_labels,
+        dtype=resolve_dtype(dtype, device),
+        trust_remote_code=trust_remote_code,
+    )
     if model.config.pad_token_id is None and getattr(model.config, "eos_token_id", None):
         model.config.pad_token_id = model.config.eos_token_id
     return model.to(device)
@@ -206,13 +235,21 @@ def set_dropout(model: torch.nn.Module, p: float) -> None:
         if isinstance(module, torch.nn.Dropout):
             module.p = p
     for config in {id(c): c for c in _configs(model)}.values():
-        for key in ("attention_dropout", "hidden_dropout", "hidden_dropout_prob",
-                    "attention_probs_dropout_prob", "dropout", "resid_pdrop", "embd_pdrop",
-                    "attn_pdrop"):
+        for key in (
+            "attention_dropout",
+            "hidden_dropout",
+            "hidden_dropout_prob",
+            "attention_probs_dropout_prob",
+            "dropout",
+            "resid_pdrop",
+            "embd_pdrop",
+            "attn_pdrop",
+        ):
             if hasattr(config, key):
                 setattr(config, key, p)
 
 
 def _configs(model: torch.nn.Module) -> list[Any]:
-    return [m.config for m in model.modules() if hasattr(m, "config")
-            and hasattr(m.config, "to_dict")]
+    return [
+        m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "to_dict")
+    ]

@@ -81,14 +81,19 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    name: str = _f("default", "Run name: artifacts go to `<output_dir>/<name>/`.",
-                   pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    name: str = _f(
+        "default",
+        "Run name: artifacts go to `<output_dir>/<name>/`.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+    )
     output_dir: str = _f("runs", "Folder holding all runs and the `LATEST` pointer.")
     seed: int = _f(42, "Seed for Python, NumPy and torch; set once per stage.")
     device: Literal["auto", "cpu", "cuda"] = _f(
-        "auto", "`auto` uses CUDA when present, else the CPU.")
+        "auto", "`auto` uses CUDA when present, else the CPU."
+    )
     trackers: list[Literal["tensorboard", "wandb"]] = _f(
-        [], "Optional experiment trackers besides metrics.jsonl (off by default).")
+        [], "Optional experiment trackers besides metrics.jsonl (off by default)."
+    )
 
 
 class QuantizationSection(Section):
@@ -96,31 +101,38 @@ class QuantizationSection(Section):
     quant_type: Literal["nf4", "fp4"] = _f("nf4", "4-bit data type.")
     double_quant: bool = _f(True, "Quantise the quantisation constants too (saves ~0.4 bit/param).")
     compute_dtype: Literal["bfloat16", "float16", "float32"] = _f(
-        "bfloat16", "dtype of the matmuls on de-quantised weights.")
+        "bfloat16", "dtype of the matmuls on de-quantised weights."
+    )
 
 
 class LoraSection(Section):
     enabled: bool = _f(True, "Train LoRA adapters instead of all weights.")
     r: int = _f(16, "LoRA rank.", gt=0)
     alpha: int = _f(32, "LoRA scaling numerator (scale = alpha / r).", gt=0)
-    dropout: float = _f(0.05, "Dropout on the LoRA input during SFT (always off during PPO).",
-                        ge=0.0, lt=1.0)
+    dropout: float = _f(
+        0.05, "Dropout on the LoRA input during SFT (always off during PPO).", ge=0.0, lt=1.0
+    )
     target_modules: list[str] | Literal["all-linear"] = _f(
-        list(GUIDE_LORA_TARGETS), "Module names that get adapters, or `all-linear`.")
+        list(GUIDE_LORA_TARGETS), "Module names that get adapters, or `all-linear`."
+    )
     bias: Literal["none", "all", "lora_only"] = _f("none", "Which biases are trained.")
 
 
 class ModelSection(Section):
     name_or_path: str = _f(
-        ..., "Policy base: a hub id, a local folder, or `builtin:tiny-lm` (built offline).")
+        ..., "Policy base: a hub id, a local folder, or `builtin:tiny-lm` (built offline)."
+    )
     tokenizer: str | None = _f(None, "Tokenizer id or folder when it differs from the model.")
     trust_remote_code: bool = _f(False, "Run modelling code shipped with the checkpoint.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
-        "auto", "Weights dtype: `auto` is bfloat16 on CUDA and float32 on the CPU.")
-    device_map: str | None = _f(None,
-                                "transformers `device_map` (e.g. `auto`); default: one device.")
+        "auto", "Weights dtype: `auto` is bfloat16 on CUDA and float32 on the CPU."
+    )
+    device_map: str | None = _f(
+        None, "transformers `device_map` (e.g. `auto`); default: one device."
+    )
     prompt_format: Literal["chat", "plain"] = _f(
-        "chat", "`chat` wraps prompts with the tokenizer's chat template; `plain` uses them as is.")
+        "chat", "`chat` wraps prompts with the tokenizer's chat template; `plain` uses them as is."
+    )
     quantization: QuantizationSection = _f(QuantizationSection(), "4-bit loading.")
     lora: LoraSection = _f(LoraSection(), "LoRA adapters for SFT and PPO.")
 
@@ -129,8 +141,13 @@ class ModelSection(Section):
     def _local_model(cls, value: str | None, info: ValidationInfo) -> str | None:
         return None if value is None else _resolve_local(value, info, "model folder")
 
-    def variant(self, *, lora: bool | None = None, load_in_4bit: bool | None = None,
-                dtype: str | None = None) -> ModelSection:
+    def variant(
+        self,
+        *,
+        lora: bool | None = None,
+        load_in_4bit: bool | None = None,
+        dtype: str | None = None,
+    ) -> ModelSection:
         """This section with LoRA, 4-bit loading or the dtype switched (e.g. the frozen SFT
         model has no new adapter; merging reloads full-precision weights)."""
         update: dict[str, Any] = {}
@@ -138,7 +155,8 @@ class ModelSection(Section):
             update["lora"] = self.lora.model_copy(update={"enabled": lora})
         if load_in_4bit is not None:
             update["quantization"] = self.quantization.model_copy(
-                update={"load_in_4bit": load_in_4bit})
+                update={"load_in_4bit": load_in_4bit}
+            )
         if dtype is not None:
             update["dtype"] = dtype
         return self.model_copy(update=update)
@@ -160,19 +178,23 @@ class DataSource(_Source):
 
 
 class PromptSource(_Source):
-    min_words: int = _f(6, "Drop prompts with fewer words (the guide drops 5 words or fewer).",
-                        ge=0)
+    min_words: int = _f(
+        6, "Drop prompts with fewer words (the guide drops 5 words or fewer).", ge=0
+    )
     max_chars: int = _f(512, "Truncate prompt text to this many characters.", gt=0)
-    max_tokens: int = _f(256, "Truncate tokenised prompts to this many tokens (keeping the end).",
-                         gt=0)
+    max_tokens: int = _f(
+        256, "Truncate tokenised prompts to this many tokens (keeping the end).", gt=0
+    )
 
 
 class DataSection(Section):
     sft: DataSource | None = _f(None, "SFT rows: `messages`, `prompt`/`response`, or `text`.")
     preferences: DataSource | None = _f(
-        None, "Preference pairs: `prompt`/`chosen`/`rejected` or HH-RLHF's two dialogues.")
+        None, "Preference pairs: `prompt`/`chosen`/`rejected` or HH-RLHF's two dialogues."
+    )
     prompts: PromptSource | None = _f(
-        None, "PPO prompts: `prompt`, `instruction`, or the human turn of HH-RLHF's `chosen`.")
+        None, "PPO prompts: `prompt`, `instruction`, or the human turn of HH-RLHF's `chosen`."
+    )
 
 
 # ── stage sections ──────────────────────────────────────────────────────────────────────────────
@@ -187,22 +209,28 @@ class SftSection(Section):
     max_length: int = _f(1024, "Truncate tokenised examples to this length.", gt=0)
     warmup_ratio: float = _f(0.03, "Share of steps with linear warm-up.", ge=0.0, lt=1.0)
     logging_steps: int = _f(10, "Log training loss every N optimiser steps.", gt=0)
-    full_finetune: bool = _f(False, "Train and save all weights instead of a LoRA adapter "
-                             "(for tiny or small models).")
+    full_finetune: bool = _f(
+        False, "Train and save all weights instead of a LoRA adapter (for tiny or small models)."
+    )
 
 
 class RewardSection(Section):
     pretrained: str | None = _f(
-        None, "A frozen, already-trained reward model; when set, `train-rm` is skipped.")
+        None, "A frozen, already-trained reward model; when set, `train-rm` is skipped."
+    )
     base_model: str | None = _f(
-        None, "Backbone to train with a 1-logit head (`builtin:minilm` ships offline).")
+        None, "Backbone to train with a 1-logit head (`builtin:minilm` ships offline)."
+    )
     tokenizer: str | None = _f(None, "Reward tokenizer when it differs from the model's.")
     trust_remote_code: bool = _f(False, "Run modelling code shipped with the reward checkpoint.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "Reward model dtype.")
-    template: str = _f("Human: {prompt}\n\nAssistant: {response}",
-                       "How (prompt, response) becomes the reward model's input text.")
-    max_length: int = _f(512, "Reward tokenizer max length; longer texts are truncated and "
-                         "counted.", gt=0)
+    template: str = _f(
+        "Human: {prompt}\n\nAssistant: {response}",
+        "How (prompt, response) becomes the reward model's input text.",
+    )
+    max_length: int = _f(
+        512, "Reward tokenizer max length; longer texts are truncated and counted.", gt=0
+    )
     learning_rate: float = _f(5e-5, "AdamW learning rate for reward training.", gt=0.0)
     epochs: float = _f(1.0, "Passes over the preference pairs.", gt=0.0)
     batch_size: int = _f(8, "Pairs per device batch.", gt=0)
@@ -226,15 +254,18 @@ class RewardSection(Section):
     @model_validator(mode="after")
     def _one_source(self) -> RewardSection:
         if (self.pretrained is None) == (self.base_model is None):
-            raise ValueError("pretrained: set exactly one of reward.pretrained (a frozen, trained "
-                             "reward model) or reward.base_model (to run `rlhf train-rm`)")
+            raise ValueError(
+                "pretrained: set exactly one of reward.pretrained (a frozen, trained "
+                "reward model) or reward.base_model (to run `rlhf train-rm`)"
+            )
         return self
 
 
 class GenerationSection(Section):
     max_new_tokens: int = _f(200, "Longest response in tokens.", gt=0)
-    temperature: float = _f(0.8, "Sampling temperature; the PPO log-probs use the same one.",
-                            gt=0.0)
+    temperature: float = _f(
+        0.8, "Sampling temperature; the PPO log-probs use the same one.", gt=0.0
+    )
     top_p: float = _f(0.9, "Nucleus sampling mass.", gt=0.0, le=1.0)
     top_k: int = _f(0, "Top-k sampling (0: off).", ge=0)
     do_sample: bool = _f(True, "Sample (True) or decode greedily.")
@@ -262,15 +293,24 @@ class PpoSection(Section):
     whiten_rewards: bool = _f(False, "Whiten the KL-shaped rewards before GAE.")
     reward_clip: float | None = _f(None, "Clip reward-model scores to ±this value.", gt=0.0)
     missing_eos_penalty: float | None = _f(
-        None, "Subtract this from the score of responses that never end.", ge=0.0)
+        None, "Subtract this from the score of responses that never end.", ge=0.0
+    )
     value_model: Literal["shared", "separate"] = _f(
-        "shared", "Value head on the policy's backbone, or a separate critic model.")
+        "shared", "Value head on the policy's backbone, or a separate critic model."
+    )
     value_init: Literal["policy", "reward_model"] = _f(
-        "policy", "Separate critic initialised from the policy or from the reward model.")
-    max_nonfinite: int = _f(3, "Stop (with a checkpoint) after this many iterations in a row "
-                            "with non-finite rewards or losses.", gt=0)
-    allow_prompt_overlap: bool = _f(False, "Silence the warning about PPO prompts that were in "
-                                    "the reward model's training pairs.")
+        "policy", "Separate critic initialised from the policy or from the reward model."
+    )
+    max_nonfinite: int = _f(
+        3,
+        "Stop (with a checkpoint) after this many iterations in a row "
+        "with non-finite rewards or losses.",
+        gt=0,
+    )
+    allow_prompt_overlap: bool = _f(
+        False,
+        "Silence the warning about PPO prompts that were in the reward model's training pairs.",
+    )
     save_freq: int = _f(50, "Checkpoint every N iterations (and at the end).", gt=0)
     log_every: int = _f(25, "Console health block and samples.jsonl every N iterations.", gt=0)
     generation: GenerationSection = _f(GenerationSection(), "Rollout generation settings.")
@@ -279,12 +319,15 @@ class PpoSection(Section):
     def _divisible(self) -> PpoSection:
         step = self.mini_batch_size * self.gradient_accumulation_steps
         if self.batch_size % self.mini_batch_size:
-            raise ValueError(f"mini_batch_size: {self.mini_batch_size} must divide "
-                             f"ppo.batch_size ({self.batch_size})")
+            raise ValueError(
+                f"mini_batch_size: {self.mini_batch_size} must divide "
+                f"ppo.batch_size ({self.batch_size})"
+            )
         if self.batch_size % step:
             raise ValueError(
                 f"gradient_accumulation_steps: mini_batch_size × gradient_accumulation_steps "
-                f"({step}) must divide ppo.batch_size ({self.batch_size})")
+                f"({step}) must divide ppo.batch_size ({self.batch_size})"
+            )
         return self
 
 
@@ -296,14 +339,18 @@ class AuditSection(Section):
     kl_coef_step: float = _f(0.05, "Raise β by this much when an in-training audit flags.", ge=0.0)
     verbosity_words: int = _f(200, "A response over this many words is verbose.", gt=0)
     verbosity_threshold: float = _f(0.3, "Flag when the verbose share exceeds this.", ge=0, le=1)
-    sycophancy_threshold: float = _f(0.2, "Flag when the sycophantic share exceeds this.", ge=0,
-                                     le=1)
-    repetition_threshold: float = _f(0.15, "Flag when the repetitive share exceeds this.", ge=0,
-                                     le=1)
-    sycophancy_phrases: list[str] = _f(list(GUIDE_SYCOPHANTIC_OPENERS),
-                                       "Openers searched in the first 150 characters.")
+    sycophancy_threshold: float = _f(
+        0.2, "Flag when the sycophantic share exceeds this.", ge=0, le=1
+    )
+    repetition_threshold: float = _f(
+        0.15, "Flag when the repetitive share exceeds this.", ge=0, le=1
+    )
+    sycophancy_phrases: list[str] = _f(
+        list(GUIDE_SYCOPHANTIC_OPENERS), "Openers searched in the first 150 characters."
+    )
     generation: GenerationSection = _f(
-        GenerationSection(temperature=0.7, top_p=1.0), "Audit generation settings.")
+        GenerationSection(temperature=0.7, top_p=1.0), "Audit generation settings."
+    )
 
     @field_validator("prompts_file")
     @classmethod
@@ -313,13 +360,13 @@ class AuditSection(Section):
 
 class MergeSection(Section):
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = _f(
-        "auto", "Merge dtype (`auto`: bfloat16 on CUDA, float32 on the CPU); never 4-bit.")
+        "auto", "Merge dtype (`auto`: bfloat16 on CUDA, float32 on the CPU); never 4-bit."
+    )
     atol: float = _f(1e-3, "Largest allowed |logit difference| merged vs adapter model.", gt=0)
 
 
 class PushSection(Section):
-    repo_id: str | None = _f(None, "Hub repository id, `user/name`.",
-                             pattern=r"^[\w.-]+/[\w.-]+$")
+    repo_id: str | None = _f(None, "Hub repository id, `user/name`.", pattern=r"^[\w.-]+/[\w.-]+$")
     private: bool = _f(True, "Create the repository as private.")
     commit_message: str = _f("PPO-aligned model via RLHF", "Commit message of the upload.")
 
@@ -340,8 +387,9 @@ class Recipe(Section):
         if self.sft.enabled and self.data.sft is None:
             raise ValueError("data: sft.enabled is true but data.sft is not set")
         if self.reward.base_model is not None and self.data.preferences is None:
-            raise ValueError("data: reward.base_model is set (train-rm) but data.preferences is "
-                             "not")
+            raise ValueError(
+                "data: reward.base_model is set (train-rm) but data.preferences is not"
+            )
         if self.data.prompts is None:
             raise ValueError("data: data.prompts is required for PPO")
         return self
@@ -392,8 +440,11 @@ def _format_errors(err: ValidationError, source: str, root: yaml.Node | None) ->
         # Union members appear in `loc` as type tags such as `list[str]` or `literal['x']`; they
         # are not fields, so they stay out of the dotted path (an unknown key, last, stays in).
         unknown_key = len(e["loc"]) - 1 if e["type"] == "extra_forbidden" else None
-        loc = tuple(p for i, p in enumerate(e["loc"])
-                    if isinstance(p, int) or "[" not in p or i == unknown_key)
+        loc = tuple(
+            p
+            for i, p in enumerate(e["loc"])
+            if isinstance(p, int) or "[" not in p or i == unknown_key
+        )
         msg = e["msg"].removeprefix("Value error, ")
         named = re.match(r"^(\w+): (.*)$", msg, re.S)
         if named and e["type"] == "value_error":
@@ -423,8 +474,12 @@ def parse_recipe(text: str, source: str = "<recipe>", base_dir: Path | None = No
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise RecipeError([f"{where}: YAML syntax error: {problem}"]) from None
     if not isinstance(data, dict):
-        raise RecipeError([f"{source}: the recipe must be a mapping of sections "
-                           f"(run, model, data, sft, reward, ppo, audit, merge, push)"])
+        raise RecipeError(
+            [
+                f"{source}: the recipe must be a mapping of sections "
+                f"(run, model, data, sft, reward, ppo, audit, merge, push)"
+            ]
+        )
     context = {"base_dir": str(base_dir or Path.cwd())}
     try:
         return Recipe.model_validate(data, context=context)
@@ -455,17 +510,31 @@ def schema_markdown() -> str:
             if isinstance(ann, type) and issubclass(ann, BaseModel):
                 walk(ann, f"{prefix}{name}.")
                 continue
-            nested = [a for a in getattr(ann, "__args__", ()) if isinstance(a, type)
-                      and issubclass(a, BaseModel)]
+            nested = [
+                a
+                for a in getattr(ann, "__args__", ())
+                if isinstance(a, type) and issubclass(a, BaseModel)
+            ]
             if nested:
                 walk(nested[0], f"{prefix}{name}.")
                 continue
-            default = "required" if field.is_required() else json.dumps(
-                field.get_default(call_default_factory=True), default=str)
+            default = (
+                "required"
+                if field.is_required()
+                else json.dumps(field.get_default(call_default_factory=True), default=str)
+            )
             rows.append(f"| `{prefix}{name}` | `{default}` | {field.description or ''} |")
         if rows:
-            lines.extend([f"## `{prefix.rstrip('.')}`", "", "| field | default | meaning |",
-                          "|---|---|---|", *rows, ""])
+            lines.extend(
+                [
+                    f"## `{prefix.rstrip('.')}`",
+                    "",
+                    "| field | default | meaning |",
+                    "|---|---|---|",
+                    *rows,
+                    "",
+                ]
+            )
 
     walk(Recipe, "")
     return "\n".join(lines)

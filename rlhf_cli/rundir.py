@@ -34,8 +34,16 @@ STAGE_COMMANDS = {
     "merged": "rlhf merge",
     "push": "rlhf push",
 }
-VERSIONED_PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets",
-                      "bitsandbytes", "rlhf-cli")
+VERSIONED_PACKAGES = (
+    "torch",
+    "transformers",
+    "trl",
+    "peft",
+    "accelerate",
+    "datasets",
+    "bitsandbytes",
+    "rlhf-cli",
+)
 
 
 def now_iso() -> str:
@@ -105,8 +113,10 @@ class RunDir:
         """Run `name` under `output_dir` (default: the latest), or a StageError saying so."""
         run = cls(output_dir, name) if name else cls.latest(output_dir)
         if run is None or not run.path.is_dir():
-            raise StageError(f"no run {'named ' + repr(name) if name else 'yet'} under "
-                             f"{output_dir}: run `rlhf sft` first")
+            raise StageError(
+                f"no run {'named ' + repr(name) if name else 'yet'} under "
+                f"{output_dir}: run `rlhf sft` first"
+            )
         return run
 
     @classmethod
@@ -141,10 +151,12 @@ class RunDir:
             except FileExistsError:
                 holder = _lock_holder(lock)
                 if holder is not None:
-                    raise StageError(f"run '{self.name}' is busy: pid {holder['pid']} "
-                                     f"({holder.get('command', '?')}, since "
-                                     f"{holder.get('since', '?')}) holds {lock}; wait for it "
-                                     "to finish or stop it") from None
+                    raise StageError(
+                        f"run '{self.name}' is busy: pid {holder['pid']} "
+                        f"({holder.get('command', '?')}, since "
+                        f"{holder.get('since', '?')}) holds {lock}; wait for it "
+                        "to finish or stop it"
+                    ) from None
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(lock)  # stale: its process is gone
                 continue
@@ -161,9 +173,11 @@ class RunDir:
         try:
             manifest = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise StageError(f"{path} is unreadable ({exc.__class__.__name__}): run "
-                             f"`{STAGE_COMMANDS.get(stage, 'the ' + stage + ' stage')}` "
-                             "again") from None
+            raise StageError(
+                f"{path} is unreadable ({exc.__class__.__name__}): run "
+                f"`{STAGE_COMMANDS.get(stage, 'the ' + stage + ' stage')}` "
+                "again"
+            ) from None
         if not isinstance(manifest, dict):
             raise StageError(f"{path} is not a manifest (a JSON object)")
         return manifest
@@ -173,25 +187,33 @@ class RunDir:
         manifest = self.read_manifest(stage)
         command = STAGE_COMMANDS[stage]
         if manifest is None:
-            raise StageError(f"{needed_by} needs the {stage} stage of run '{self.name}', which is "
-                             f"missing ({self.stage_dir(stage)}): run `{command}` first")
+            raise StageError(
+                f"{needed_by} needs the {stage} stage of run '{self.name}', which is "
+                f"missing ({self.stage_dir(stage)}): run `{command}` first"
+            )
         if manifest.get("status") != "completed":
-            raise StageError(f"{needed_by} needs the {stage} stage of run '{self.name}', whose "
-                             f"status is '{manifest.get('status')}': run `{command}` again first")
+            raise StageError(
+                f"{needed_by} needs the {stage} stage of run '{self.name}', whose "
+                f"status is '{manifest.get('status')}': run `{command}` again first"
+            )
         return manifest
 
     def input_record(self, stage: str) -> dict[str, str]:
         """How a consuming stage records an input: its folder and its manifest's hash."""
-        return {"path": str(self.stage_dir(stage)),
-                "manifest_sha256": file_sha256(self.manifest_path(stage))}
+        return {
+            "path": str(self.stage_dir(stage)),
+            "manifest_sha256": file_sha256(self.manifest_path(stage)),
+        }
 
     def resolve_output(self, stage: str, manifest: dict[str, Any], name: str) -> Path:
         """Absolute path of output `name` declared in a stage's manifest."""
         try:
             return self.stage_dir(stage) / manifest["outputs"][name]
         except KeyError:
-            raise StageError(f"the {stage} manifest of run '{self.name}' lists no output "
-                             f"'{name}': run `{STAGE_COMMANDS[stage]}` again") from None
+            raise StageError(
+                f"the {stage} manifest of run '{self.name}' lists no output "
+                f"'{name}': run `{STAGE_COMMANDS[stage]}` again"
+            ) from None
 
 
 def _lock_holder(lock: Path) -> dict[str, Any] | None:
@@ -219,8 +241,9 @@ class StageRecord:
     Only the process that writes (the main one under several processes) takes the lock.
     """
 
-    def __init__(self, run: RunDir, stage: str, recipe: Recipe, inputs: dict[str, Any],
-                 write: bool = True):
+    def __init__(
+        self, run: RunDir, stage: str, recipe: Recipe, inputs: dict[str, Any], write: bool = True
+    ):
         self.run, self.stage, self.write, self.recipe = run, stage, write, recipe
         self.dir = run.stage_dir(stage)
         self._lock: Path | None = None
@@ -254,8 +277,12 @@ class StageRecord:
         self.save()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc_type is None:
             self.manifest["status"] = "completed"
         elif issubclass(exc_type, KeyboardInterrupt):

@@ -37,9 +37,17 @@ def quiet_libraries() -> None:
 
 
 def make_progress(console: Console) -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                    console=console, transient=False, disable=console.quiet)
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=console,
+        transient=False,
+        disable=console.quiet,
+    )
 
 
 def _clean(value: Any) -> Any:
@@ -52,8 +60,13 @@ def _clean(value: Any) -> Any:
 class MetricsWriter:
     """Appends one JSON object a line and flushes each, so a killed run keeps what it logged."""
 
-    def __init__(self, path: Path, trackers: list[str] | None = None, enabled: bool = True,
-                 resume: bool = False):
+    def __init__(
+        self,
+        path: Path,
+        trackers: list[str] | None = None,
+        enabled: bool = True,
+        resume: bool = False,
+    ):
         self.path, self.enabled = path, enabled
         self._tb = self._wandb = None
         if not enabled:
@@ -67,20 +80,26 @@ class MetricsWriter:
                 elif tracker == "wandb":
                     import wandb
 
-                    self._wandb = wandb.init(project="rlhf-cli", name=path.parent.parent.name,
-                                             resume="allow")
+                    self._wandb = wandb.init(
+                        project="rlhf-cli", name=path.parent.parent.name, resume="allow"
+                    )
             except ImportError:
                 package = "tensorboard" if tracker == "tensorboard" else "wandb"
-                raise RlhfError(f"run.trackers lists {tracker} but the {package} package is not "
-                                f"installed: pip install {package}") from None
+                raise RlhfError(
+                    f"run.trackers lists {tracker} but the {package} package is not "
+                    f"installed: pip install {package}"
+                ) from None
         path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = open(path, "a" if resume else "w", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:
             return
-        row = {"step": step, "time": round(time.time(), 3),
-               **{k: _clean(v) for k, v in metrics.items()}}
+        row = {
+            "step": step,
+            "time": round(time.time(), 3),
+            **{k: _clean(v) for k, v in metrics.items()},
+        }
         self._handle.write(json.dumps(row) + "\n")
         self._handle.flush()
         numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}

@@ -55,24 +55,28 @@ def _deep_update(base: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any
     return base
 
 
-def small_tiny_recipe(folder: Path, updates: dict[str, Any] | None = None,
-                      name: str = "recipe.yaml") -> Path:
+def small_tiny_recipe(
+    folder: Path, updates: dict[str, Any] | None = None, name: str = "recipe.yaml"
+) -> Path:
     """`recipes/tiny.yaml` with absolute data paths, runs under `folder`, and short training.
 
     `updates` is merged section by section on top (e.g. `{"sft": {"epochs": 1}}`).
     """
     data = yaml.safe_load(TINY_RECIPE.read_text(encoding="utf-8"))
-    _deep_update(data, {
-        "run": {"output_dir": str(folder / "runs")},
-        "data": {
-            "sft": {"path": str(TINY_DATA / "sft.jsonl")},
-            "preferences": {"path": str(TINY_DATA / "preferences.jsonl")},
-            "prompts": {"path": str(TINY_DATA / "prompts.jsonl")},
+    _deep_update(
+        data,
+        {
+            "run": {"output_dir": str(folder / "runs")},
+            "data": {
+                "sft": {"path": str(TINY_DATA / "sft.jsonl")},
+                "preferences": {"path": str(TINY_DATA / "preferences.jsonl")},
+                "prompts": {"path": str(TINY_DATA / "prompts.jsonl")},
+            },
+            "audit": {"prompts_file": str(TINY_DATA / "audit_prompts.txt")},
+            "sft": {"epochs": 2, "logging_steps": 5},
+            "reward": {"epochs": 1, "logging_steps": 5},
         },
-        "audit": {"prompts_file": str(TINY_DATA / "audit_prompts.txt")},
-        "sft": {"epochs": 2, "logging_steps": 5},
-        "reward": {"epochs": 1, "logging_steps": 5},
-    })
+    )
     _deep_update(data, updates or {})
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name

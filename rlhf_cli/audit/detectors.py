@@ -27,7 +27,7 @@ def is_sycophantic(response: str, phrases: list[str]) -> bool:
 
 def is_repetitive(response: str, n: int = 4, max_count: int = 2) -> bool:
     words = response.lower().split()
-    grams = Counter(" ".join(words[i:i + n]) for i in range(len(words) - n + 1))
+    grams = Counter(" ".join(words[i : i + n]) for i in range(len(words) - n + 1))
     return any(count > max_count for count in grams.values())
 
 
@@ -43,9 +43,11 @@ def audit_responses(responses: list[str], cfg: AuditSection) -> dict[str, Any]:
         "avg_response_len": sum(len(r.split()) for r in responses) / n,
         "n_responses": n,
     }
-    limits = {"verbosity": cfg.verbosity_threshold, "sycophancy": cfg.sycophancy_threshold,
-              "repetition": cfg.repetition_threshold}
-    report["flags"] = [name for name, limit in limits.items()
-                       if report[f"{name}_score"] > limit]
+    limits = {
+        "verbosity": cfg.verbosity_threshold,
+        "sycophancy": cfg.sycophancy_threshold,
+        "repetition": cfg.repetition_threshold,
+    }
+    report["flags"] = [name for name, limit in limits.items() if report[f"{name}_score"] > limit]
     report["hacking_detected"] = bool(report["flags"])
     return report

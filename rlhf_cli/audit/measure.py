@@ -27,31 +27,46 @@ from rlhf_cli.scoring import RewardScorer
 ACTION = "Increase KL coefficient (β) by {step} and recheck in 25 iterations."
 
 
-def _sample(generator: Generator, queries: list[list[int]], cfg: AuditSection,
-            batch_size: int) -> list[Generations]:
+def _sample(
+    generator: Generator, queries: list[list[int]], cfg: AuditSection, batch_size: int
+) -> list[Generations]:
     """Answers to `queries` in batches of `batch_size`."""
-    return [generator.generate(queries[start:start + batch_size], cfg.generation)
-            for start in range(0, len(queries), batch_size)]
+    return [
+        generator.generate(queries[start : start + batch_size], cfg.generation)
+        for start in range(0, len(queries), batch_size)
+    ]
 
 
 @torch.inference_mode()
-def _kl_to_reference(model: Any, reference: Reference, batches: list[Generations],
-                     temperature: float) -> float:
+def _kl_to_reference(
+    model: Any, reference: Reference, batches: list[Generations], temperature: float
+) -> float:
     """Mean over responses of Σ_t (log π − log π_ref) on the policy's own samples."""
     totals = []
     for answers in batches:
         ids, mask, width = answers.input_ids, answers.attention_mask, answers.query_ids.shape[1]
-        logp, _ = response_logprobs(forward_logits(model, ids, mask), answers.response_ids, width,
-                                    temperature)
-        ref_logp, _ = response_logprobs(reference.logits(ids, mask), answers.response_ids, width,
-                                        temperature)
+        logp, _ = response_logprobs(
+            forward_logits(model, ids, mask), answers.response_ids, width, temperature
+        )
+        ref_logp, _ = response_logprobs(
+            reference.logits(ids, mask), answers.response_ids, width, temperature
+        )
         totals.append(((logp - ref_logp) * answers.response_mask).sum(1))
     return float(torch.cat(totals).mean())
 
 
-def audit_policy(model: Any, tokenizer: Any, prompts: list[str], cfg: AuditSection, *,
-                 chat: bool, max_tokens: int, reference: Reference | None = None,
-                 scorer: RewardScorer | None = None, batch_size: int = 16) -> dict[str, Any]:
+def audit_policy(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    cfg: AuditSection,
+    *,
+    chat: bool,
+    max_tokens: int,
+    reference: Reference | None = None,
+    scorer: RewardScorer | None = None,
+    batch_size: int = 16,
+) -> dict[str, Any]:
     """The guide's audit report on `cfg.samples` responses per prompt; with a reward model and
     the reference, their mean rewards and the policy's KL to the reference too."""
     was_training = model.training
@@ -71,31 +86,39 @@ def audit_policy(model: Any, tokenizer: Any, prompts: list[str], cfg: AuditSecti
                 ref_batches = _sample(generator_for(ref, tokenizer), queries, cfg, batch_size)
             ref_responses = [text for answers in ref_batches for text in answers.texts]
             report["reward_reference_mean"] = float(scorer.score(asked, ref_responses)[0].mean())
-    report["samples"] = [{"prompt": p, "response": r} for p, r in zip(asked, responses,
-                                                                        strict=True)]
+    report["samples"] = [
+        {"prompt": p, "response": r} for p, r in zip(asked, responses, strict=True)
+    ]
     model.train(was_training)
     return report
 
 
-def render_report(report: dict[str, Any], cfg: AuditSection, console: Console,
-                  title: str) -> None:
+def render_report(report: dict[str, Any], cfg: AuditSection, console: Console, title: str) -> None:
     """The guide's audit printout as a rich table, and the recommended action."""
     table = Table(title=title, title_justify="left")
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_column("threshold", justify="right")
     table.add_column("")
-    rows = [("Verbosity rate", "verbosity", cfg.verbosity_threshold),
-            ("Sycophancy rate", "sycophancy", cfg.sycophancy_threshold),
-            ("Repetition rate", "repetition", cfg.repetition_threshold)]
+    rows = [
+        ("Verbosity rate", "verbosity", cfg.verbosity_threshold),
+        ("Sycophancy rate", "sycophancy", cfg.sycophancy_threshold),
+        ("Repetition rate", "repetition", cfg.repetition_threshold),
+    ]
     table.add_row("Avg response length", f"{report['avg_response_len']:.1f} words", "", "")
     for label, key, limit in rows:
         flagged = key in report["flags"]
-        table.add_row(label, f"{report[f'{key}_score']:.1%}", f"> {limit:.0%}",
-                      "[red]⚠[/]" if flagged else "[green]✓[/]")
-    for key, label in (("reward_policy_mean", "Mean reward, policy"),
-                       ("reward_reference_mean", "Mean reward, reference"),
-                       ("kl_to_reference", "KL to reference (nats)")):
+        table.add_row(
+            label,
+            f"{report[f'{key}_score']:.1%}",
+            f"> {limit:.0%}",
+            "[red]⚠[/]" if flagged else "[green]✓[/]",
+        )
+    for key, label in (
+        ("reward_policy_mean", "Mean reward, policy"),
+        ("reward_reference_mean", "Mean reward, reference"),
+        ("kl_to_reference", "KL to reference (nats)"),
+    ):
         if key in report:
             table.add_row(label, f"{report[key]:+.4f}", "", "")
     table.add_row("Responses", str(report["n_responses"]), "", "")

@@ -27,8 +27,12 @@ INDEX = "checkpoint.json"
 
 
 def rng_state(sampler: torch.Generator) -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state(), "sampler": sampler.get_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "sampler": sampler.get_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -44,13 +48,23 @@ def set_rng_state(state: dict[str, Any], sampler: torch.Generator) -> None:
 
 
 def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu().contiguous() for n, p in module.named_parameters()
-            if p.requires_grad}
+    return {
+        n: p.detach().cpu().contiguous() for n, p in module.named_parameters() if p.requires_grad
+    }
 
 
-def save_checkpoint(root: Path, iteration: int, *, policy: torch.nn.Module,
-                    value_state: dict[str, torch.Tensor], optimizer: Any, scheduler: Any,
-                    kl_ctl: Any, sampler: torch.Generator, extra: dict[str, Any]) -> Path:
+def save_checkpoint(
+    root: Path,
+    iteration: int,
+    *,
+    policy: torch.nn.Module,
+    value_state: dict[str, torch.Tensor],
+    optimizer: Any,
+    scheduler: Any,
+    kl_ctl: Any,
+    sampler: torch.Generator,
+    extra: dict[str, Any],
+) -> Path:
     """Write `iter_<iteration>` atomically; return its folder."""
     final = root / f"iter_{iteration:05d}"
     tmp = root / f".{final.name}.tmp{os.getpid()}"
@@ -62,8 +76,10 @@ def save_checkpoint(root: Path, iteration: int, *, policy: torch.nn.Module,
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(sampler), tmp / "rng.pt")
-        atomic_write_json(tmp / "state.json", {"iteration": iteration,
-                                               "kl_controller": kl_ctl.state_dict(), **extra})
+        atomic_write_json(
+            tmp / "state.json",
+            {"iteration": iteration, "kl_controller": kl_ctl.state_dict(), **extra},
+        )
         files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
         atomic_write_json(tmp / INDEX, {"iteration": iteration, "sha256": files})
         if final.exists():
@@ -83,8 +99,7 @@ def verify(folder: Path) -> str | None:
     try:
         expected = json.loads(index.read_text())["sha256"]
         names = list(expected.items())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
-            AttributeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
         return "checkpoint.json is unreadable"
     if not names:
         return "checkpoint.json lists no files"
@@ -109,16 +124,24 @@ def newest_valid(root: Path) -> tuple[Path | None, list[str]]:
     return None, notes
 
 
-def load_checkpoint(folder: Path, *, policy: torch.nn.Module, optimizer: Any, scheduler: Any,
-                    kl_ctl: Any, sampler: torch.Generator) -> tuple[dict[str, Any],
-                                                                     dict[str, torch.Tensor]]:
+def load_checkpoint(
+    folder: Path,
+    *,
+    policy: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    kl_ctl: Any,
+    sampler: torch.Generator,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Restore state in place; return (state.json contents, value state dict)."""
     weights = load_file(folder / "policy.safetensors")
     expected = set(trainable_state(policy))
     if set(weights) != expected:
-        raise StageError(f"checkpoint {folder} does not match this recipe's trainable weights "
-                         f"({len(set(weights) ^ expected)} names differ): start a new run name "
-                         "or drop --resume")
+        raise StageError(
+            f"checkpoint {folder} does not match this recipe's trainable weights "
+            f"({len(set(weights) ^ expected)} names differ): start a new run name "
+            "or drop --resume"
+        )
     device = next(policy.parameters()).device
     with torch.no_grad():
         params = dict(policy.named_parameters())

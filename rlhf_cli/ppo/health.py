@@ -34,20 +34,50 @@ class Range:
         return (low is None or value >= low) and (high is None or value <= high)
 
 
-RANGES: dict[str, Range] = {r.metric: r for r in [
-    Range("env/reward_mean", "steadily increasing", "flat or decreasing after iteration 50",
-          "Check reward model, reduce KL coef"),
-    Range("objective/kl", "grows slowly, stays < 15", "jumps above 25 suddenly",
-          "Increase β, reduce learning rate", band=(0.0, 15.0)),
-    Range("ppo/loss/policy", "decreasing, stable oscillation",
-          "wild swings, spikes every few iterations", "Reduce LR, reduce mini_batch_size"),
-    Range("ppo/loss/value", "decreasing over the first 100 iterations",
-          "stays above 2.0 after iteration 100", "Increase c₁ (ppo.vf_coef), more ppo_epochs"),
-    Range("objective/clipfrac", "0.10 – 0.35", "> 0.5 or < 0.02",
-          "High: reduce LR. Low: reduce KL coef", band=(0.10, 0.35)),
-    Range("objective/entropy", "slow decrease, stays above 3.0", "collapses to < 1.0 quickly",
-          "Increase c₂ (entropy coefficient, ppo.entropy_coef)", band=(3.0, None)),
-]}
+RANGES: dict[str, Range] = {
+    r.metric: r
+    for r in [
+        Range(
+            "env/reward_mean",
+            "steadily increasing",
+            "flat or decreasing after iteration 50",
+            "Check reward model, reduce KL coef",
+        ),
+        Range(
+            "objective/kl",
+            "grows slowly, stays < 15",
+            "jumps above 25 suddenly",
+            "Increase β, reduce learning rate",
+            band=(0.0, 15.0),
+        ),
+        Range(
+            "ppo/loss/policy",
+            "decreasing, stable oscillation",
+            "wild swings, spikes every few iterations",
+            "Reduce LR, reduce mini_batch_size",
+        ),
+        Range(
+            "ppo/loss/value",
+            "decreasing over the first 100 iterations",
+            "stays above 2.0 after iteration 100",
+            "Increase c₁ (ppo.vf_coef), more ppo_epochs",
+        ),
+        Range(
+            "objective/clipfrac",
+            "0.10 – 0.35",
+            "> 0.5 or < 0.02",
+            "High: reduce LR. Low: reduce KL coef",
+            band=(0.10, 0.35),
+        ),
+        Range(
+            "objective/entropy",
+            "slow decrease, stays above 3.0",
+            "collapses to < 1.0 quickly",
+            "Increase c₂ (entropy coefficient, ppo.entropy_coef)",
+            band=(3.0, None),
+        ),
+    ]
+}
 
 
 @dataclass(frozen=True)
@@ -64,27 +94,54 @@ def _reward_falling(value: float, iteration: int, history: History, window: int 
     if iteration < 50 or len(history) < 2 * window:
         return False
     recent = [h["env/reward_mean"] for h in history[-window:]]
-    before = [h["env/reward_mean"] for h in history[-2 * window: -window]]
+    before = [h["env/reward_mean"] for h in history[-2 * window : -window]]
     return sum(recent) / window < sum(before) / window
 
 
-def _rule(kind: str, metric: str, danger: str, fires: Callable[[float, int, History], bool],
-          fix: str | None = None) -> Rule:
+def _rule(
+    kind: str,
+    metric: str,
+    danger: str,
+    fires: Callable[[float, int, History], bool],
+    fix: str | None = None,
+) -> Rule:
     return Rule(kind, metric, danger, fix or RANGES[metric].fix, fires)
 
 
 RULES = [
     _rule("kl_high", "objective/kl", "KL jumped above 25", lambda v, it, h: v > 25),
-    _rule("clipfrac_high", "objective/clipfrac", "clip fraction above 0.5",
-          lambda v, it, h: v > 0.5, fix="reduce LR"),
-    _rule("clipfrac_low", "objective/clipfrac", "clip fraction below 0.02 after iteration 10",
-          lambda v, it, h: it >= 10 and v < 0.02, fix="reduce KL coef"),
-    _rule("entropy_collapse", "objective/entropy", "entropy collapsed below 1.0",
-          lambda v, it, h: v < 1.0),
-    _rule("value_loss_high", "ppo/loss/value", "value loss above 2.0 after iteration 100",
-          lambda v, it, h: it >= 100 and v > 2.0),
-    _rule("reward_falling", "env/reward_mean", "mean reward falling after iteration 50",
-          _reward_falling),
+    _rule(
+        "clipfrac_high",
+        "objective/clipfrac",
+        "clip fraction above 0.5",
+        lambda v, it, h: v > 0.5,
+        fix="reduce LR",
+    ),
+    _rule(
+        "clipfrac_low",
+        "objective/clipfrac",
+        "clip fraction below 0.02 after iteration 10",
+        lambda v, it, h: it >= 10 and v < 0.02,
+        fix="reduce KL coef",
+    ),
+    _rule(
+        "entropy_collapse",
+        "objective/entropy",
+        "entropy collapsed below 1.0",
+        lambda v, it, h: v < 1.0,
+    ),
+    _rule(
+        "value_loss_high",
+        "ppo/loss/value",
+        "value loss above 2.0 after iteration 100",
+        lambda v, it, h: it >= 100 and v > 2.0,
+    ),
+    _rule(
+        "reward_falling",
+        "env/reward_mean",
+        "mean reward falling after iteration 50",
+        _reward_falling,
+    ),
 ]
 
 
@@ -101,8 +158,10 @@ class HealthMonitor:
                 continue
             if rule.fires(float(value), iteration, history):
                 self.seen.add(rule.kind)
-                fired.append(f"iteration {iteration}: {rule.danger} ({rule.metric} = "
-                             f"{float(value):.4g}). Fix: {rule.fix}")
+                fired.append(
+                    f"iteration {iteration}: {rule.danger} ({rule.metric} = "
+                    f"{float(value):.4g}). Fix: {rule.fix}"
+                )
         return fired
 
 
@@ -117,8 +176,12 @@ def _band_text(band: tuple[float | None, float | None] | None) -> str:
 
 def ranges_markdown() -> str:
     """The table of `docs/metrics.md`'s "Healthy ranges" section."""
-    lines = ["| metric (key here) | healthy | band checked | danger sign | fix |",
-             "|---|---|---|---|---|"]
-    lines += [f"| `{r.metric}` | {r.healthy} | {_band_text(r.band)} | {r.danger} | {r.fix} |"
-              for r in RANGES.values()]
+    lines = [
+        "| metric (key here) | healthy | band checked | danger sign | fix |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| `{r.metric}` | {r.healthy} | {_band_text(r.band)} | {r.danger} | {r.fix} |"
+        for r in RANGES.values()
+    ]
     return "\n".join(lines)

@@ -30,16 +30,21 @@ class ValueModel(nn.Module):
         self.backbone, self.head = backbone, head
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids).last_hidden_state
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
 
 
 class PolicyAndValue(nn.Module):
     """Actor + critic. `forward` returns (logits (b, t, vocab), values (b, t))."""
 
-    def __init__(self, policy: nn.Module, value_head: nn.Linear | None = None,
-                 critic: ValueModel | None = None):
+    def __init__(
+        self,
+        policy: nn.Module,
+        value_head: nn.Linear | None = None,
+        critic: ValueModel | None = None,
+    ):
         super().__init__()
         if (value_head is None) == (critic is None):
             raise ValueError("give exactly one of value_head (shared) or critic (separate)")
@@ -48,8 +53,13 @@ class PolicyAndValue(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
         position_ids = position_ids_from(attention_mask)
         shared = self.critic is None
-        out = self.policy(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids, output_hidden_states=shared, use_cache=False)
+        out = self.policy(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=shared,
+            use_cache=False,
+        )
         if shared:
             hidden = out.hidden_states[-1]
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)

@@ -39,9 +39,12 @@ class Rollout(Generations):
 
     def select(self, index: Tensor) -> dict[str, Tensor]:
         """The tensors a mini-batch update needs, for rollouts `index`."""
-        return {"input_ids": self.input_ids[index], "attention_mask": self.attention_mask[index],
-                "response_ids": self.response_ids[index],
-                "response_mask": self.response_mask[index]}
+        return {
+            "input_ids": self.input_ids[index],
+            "attention_mask": self.attention_mask[index],
+            "response_ids": self.response_ids[index],
+            "response_mask": self.response_mask[index],
+        }
 
 
 def penalised_scores(raw_scores: Tensor, ended: Tensor, cfg: PpoSection) -> Tensor:
@@ -56,9 +59,15 @@ def penalised_scores(raw_scores: Tensor, ended: Tensor, cfg: PpoSection) -> Tens
 
 
 @torch.inference_mode()
-def collect_rollout(actor: PolicyAndValue, reference: Reference, scorer: RewardScorer,
-                    generator: Generator, prompts: list[str], queries: list[list[int]],
-                    cfg: PpoSection) -> Rollout:
+def collect_rollout(
+    actor: PolicyAndValue,
+    reference: Reference,
+    scorer: RewardScorer,
+    generator: Generator,
+    prompts: list[str],
+    queries: list[list[int]],
+    cfg: PpoSection,
+) -> Rollout:
     """Generate, score and evaluate one batch of prompts (b = len(prompts))."""
     device = next(actor.parameters()).device
     timings: dict[str, float] = {}
@@ -82,14 +91,20 @@ def collect_rollout(actor: PolicyAndValue, reference: Reference, scorer: RewardS
     parts: dict[str, list[Tensor]] = {"logprobs": [], "values": [], "ref_logprobs": []}
     p, width, step = answers.query_ids.shape[1], answers.response_ids.shape[1], cfg.mini_batch_size
     for s in range(0, len(prompts), step):
-        ids, mask = input_ids[s:s + step], attention_mask[s:s + step]
-        resp = answers.response_ids[s:s + step]
+        ids, mask = input_ids[s : s + step], attention_mask[s : s + step]
+        resp = answers.response_ids[s : s + step]
         logits, values = actor(ids, mask)
         parts["logprobs"].append(response_logprobs(logits, resp, p, temperature)[0])
-        parts["values"].append(values[:, p - 1: p - 1 + width].float())
+        parts["values"].append(values[:, p - 1 : p - 1 + width].float())
         ref_logits = reference.logits(ids, mask)
         parts["ref_logprobs"].append(response_logprobs(ref_logits, resp, p, temperature)[0])
     timings["time/logprobs_s"] = time.perf_counter() - start
-    return Rollout(**vars(answers), scores=scores.to(device), raw_scores=raw_scores.to(device),
-                   **{k: torch.cat(v) for k, v in parts.items()}, prompts=prompts,
-                   n_truncated=n_truncated, timings=timings)
+    return Rollout(
+        **vars(answers),
+        scores=scores.to(device),
+        raw_scores=raw_scores.to(device),
+        **{k: torch.cat(v) for k, v in parts.items()},
+        prompts=prompts,
+        n_truncated=n_truncated,
+        timings=timings,
+    )

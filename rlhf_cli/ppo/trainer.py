@@ -76,23 +76,24 @@ def sample_batch(ctx: PPOContext) -> list[int]:
     draws = []
     while len(draws) < n:  # epochs over the prompt pool when it is smaller than a batch
         draws.extend(torch.randperm(len(ctx.prompts), generator=ctx.sampler).tolist())
-    return draws[:n][acc.process_index::acc.num_processes]
+    return draws[:n][acc.process_index :: acc.num_processes]
 
 
-def advantages_of(rollout: Rollout, kl_coef: float,
-                  cfg: PpoSection) -> tuple[torch.Tensor, ...]:
+def advantages_of(rollout: Rollout, kl_coef: float, cfg: PpoSection) -> tuple[torch.Tensor, ...]:
     """KL-shaped per-token rewards → GAE → whitened advantages (Huang et al. details 5-7)."""
     mask = rollout.response_mask
-    rewards, kl = core.kl_penalized_rewards(rollout.scores, rollout.logprobs,
-                                            rollout.ref_logprobs, mask, kl_coef)
+    rewards, kl = core.kl_penalized_rewards(
+        rollout.scores, rollout.logprobs, rollout.ref_logprobs, mask, kl_coef
+    )
     if cfg.whiten_rewards:
         rewards = core.masked_whiten(rewards, mask, shift_mean=False)
     advantages, returns = core.compute_gae(rollout.values, rewards, mask, cfg.gamma, cfg.lam)
     return rewards, kl, core.masked_whiten(advantages, mask), returns
 
 
-def ppo_update(ctx: PPOContext, rollout: Rollout, advantages: torch.Tensor,
-               returns: torch.Tensor) -> dict[str, float]:
+def ppo_update(
+    ctx: PPOContext, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor
+) -> dict[str, float]:
     """`ppo_epochs` passes over shuffled mini-batches; an optimizer step every
     `gradient_accumulation_steps` mini-batches; non-finite losses skip their mini-batch."""
     cfg, acc, actor = ctx.cfg, ctx.accelerator, ctx.actor
@@ -106,19 +107,22 @@ def ppo_update(ctx: PPOContext, rollout: Rollout, advantages: torch.Tensor,
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(b)
         for start in range(0, b, local_mb):
-            idx = order[start:start + local_mb]
+            idx = order[start : start + local_mb]
             batch = rollout.select(idx)
             mask = batch["response_mask"]
             last_micro = (micro + 1) % cfg.gradient_accumulation_steps == 0
             with nullcontext() if last_micro else acc.no_sync(actor):
                 logits, values = actor(batch["input_ids"], batch["attention_mask"])
-                logprobs, step_logits = response_logprobs(logits, batch["response_ids"], width,
-                                                          temperature)
-                vpred = values[:, width - 1: width - 1 + mask.shape[1]].float()
-                pg_loss, clipfrac = core.ppo_policy_loss(logprobs, rollout.logprobs[idx],
-                                                         advantages[idx], mask, cfg.cliprange)
-                vf_loss = core.ppo_value_loss(vpred, rollout.values[idx], returns[idx], mask,
-                                              cfg.cliprange_value)
+                logprobs, step_logits = response_logprobs(
+                    logits, batch["response_ids"], width, temperature
+                )
+                vpred = values[:, width - 1 : width - 1 + mask.shape[1]].float()
+                pg_loss, clipfrac = core.ppo_policy_loss(
+                    logprobs, rollout.logprobs[idx], advantages[idx], mask, cfg.cliprange
+                )
+                vf_loss = core.ppo_value_loss(
+                    vpred, rollout.values[idx], returns[idx], mask, cfg.cliprange_value
+                )
                 entropy = core.masked_mean(core.entropy_from_logits(step_logits), mask)
                 loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy
                 finite = acc.reduce(torch.isfinite(loss).float().detach(), "min")
@@ -139,10 +143,13 @@ def ppo_update(ctx: PPOContext, rollout: Rollout, advantages: torch.Tensor,
                 stats["objective/clipfrac"].append(clipfrac.item())
                 stats["ppo/policy/entropy"].append(entropy.item())
                 stats["ppo/policy/approxkl"].append(
-                    core.approx_kl(logprobs, rollout.logprobs[idx], mask).item())
-                stats["ppo/val/clipfrac"].append(core.masked_mean(
-                    ((vpred - rollout.values[idx]).abs() > cfg.cliprange_value).float(),
-                    mask).item())
+                    core.approx_kl(logprobs, rollout.logprobs[idx], mask).item()
+                )
+                stats["ppo/val/clipfrac"].append(
+                    core.masked_mean(
+                        ((vpred - rollout.values[idx]).abs() > cfg.cliprange_value).float(), mask
+                    ).item()
+                )
     ctx.optimizer.zero_grad(set_to_none=True)  # a trailing partial accumulation is dropped
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
     out["ppo/skipped_minibatches"] = float(skipped)
@@ -154,9 +161,15 @@ def _gather_mean_std(acc: Any, x: torch.Tensor) -> tuple[float, float]:
     return float(allx.mean()), float(allx.std()) if allx.numel() > 1 else 0.0
 
 
-def iteration_metrics(ctx: PPOContext, rollout: Rollout, kl: torch.Tensor,
-                      rewards: torch.Tensor, returns: torch.Tensor, kl_coef: float,
-                      stats: dict[str, float]) -> dict[str, float]:
+def iteration_metrics(
+    ctx: PPOContext,
+    rollout: Rollout,
+    kl: torch.Tensor,
+    rewards: torch.Tensor,
+    returns: torch.Tensor,
+    kl_coef: float,
+    stats: dict[str, float],
+) -> dict[str, float]:
     acc, mask = ctx.accelerator, rollout.response_mask
     lengths = mask.sum(1).float()
     reward_mean, reward_std = _gather_mean_std(acc, rollout.scores)
@@ -168,9 +181,9 @@ def iteration_metrics(ctx: PPOContext, rollout: Rollout, kl: torch.Tensor,
         "objective/kl_coef": kl_coef,
         "objective/entropy": 0.0,
         "ppo/mean_non_score_reward": _gather_mean_std(
-            acc, (rewards.sum(1) - rollout.scores).detach())[0],
-        "ppo/val/explained_variance": float(core.explained_variance(rollout.values, returns,
-                                                                    mask)),
+            acc, (rewards.sum(1) - rollout.scores).detach()
+        )[0],
+        "ppo/val/explained_variance": float(core.explained_variance(rollout.values, returns, mask)),
         "ppo/val/mean": float(core.masked_mean(rollout.values, mask)),
         "ppo/returns/mean": float(core.masked_mean(returns, mask)),
         "response/length_mean": _gather_mean_std(acc, lengths)[0],
@@ -194,8 +207,10 @@ def graceful_stop(console: Console) -> Iterator[dict[str, bool]]:
         if flag["stop"]:
             raise KeyboardInterrupt
         flag["stop"] = True
-        console.print("\n[yellow]stopping[/]: finishing this iteration and writing a checkpoint "
-                      "(press Ctrl-C again to stop at once)")
+        console.print(
+            "\n[yellow]stopping[/]: finishing this iteration and writing a checkpoint "
+            "(press Ctrl-C again to stop at once)"
+        )
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -214,17 +229,24 @@ def checkpoint(ctx: PPOContext, iteration: int) -> Path | None:
     if ctx.accelerator.is_main_process:
         actor = ctx.unwrapped
         try:
-            path = save_checkpoint(ctx.stage_dir / "checkpoints", iteration,
-                                   policy=actor.policy, value_state=actor.value_state_dict(),
-                                   optimizer=ctx.optimizer, scheduler=ctx.scheduler,
-                                   kl_ctl=ctx.kl_ctl, sampler=ctx.sampler,
-                                   extra={"health_seen": sorted(ctx.health.seen)})
+            path = save_checkpoint(
+                ctx.stage_dir / "checkpoints",
+                iteration,
+                policy=actor.policy,
+                value_state=actor.value_state_dict(),
+                optimizer=ctx.optimizer,
+                scheduler=ctx.scheduler,
+                kl_ctl=ctx.kl_ctl,
+                sampler=ctx.sampler,
+                extra={"health_seen": sorted(ctx.health.seen)},
+            )
         except OSError as exc:
             previous = sorted(p.name for p in (ctx.stage_dir / "checkpoints").glob("iter_*"))
             raise CheckpointWriteError(
                 f"writing checkpoint iter_{iteration:05d} failed ({exc.strerror or exc}); "
                 f"the previous checkpoint ({previous[-1] if previous else 'none'}) and the "
-                "manifest are intact: free space, then `rlhf ppo --resume`") from None
+                "manifest are intact: free space, then `rlhf ppo --resume`"
+            ) from None
     ctx.accelerator.wait_for_everyone()
     return path
 
@@ -239,27 +261,39 @@ def log_block(ctx: PPOContext, iteration: int, m: dict[str, float], rollout: Rol
 
     c = ctx.console
     c.print(f"\n--- Iteration {iteration:4d} ---")
-    rows = [("Avg Reward", "env/reward_mean", "+.4f"), ("KL Divergence", "objective/kl", ".4f"),
-            ("KL Coef (β)", "objective/kl_coef", ".4f"), ("Policy Loss", "ppo/loss/policy", ".4f"),
-            ("Value Loss", "ppo/loss/value", ".4f"), ("Entropy", "objective/entropy", ".4f"),
-            ("Clip Fraction", "objective/clipfrac", ".4f")]
+    rows = [
+        ("Avg Reward", "env/reward_mean", "+.4f"),
+        ("KL Divergence", "objective/kl", ".4f"),
+        ("KL Coef (β)", "objective/kl_coef", ".4f"),
+        ("Policy Loss", "ppo/loss/policy", ".4f"),
+        ("Value Loss", "ppo/loss/value", ".4f"),
+        ("Entropy", "objective/entropy", ".4f"),
+        ("Clip Fraction", "objective/clipfrac", ".4f"),
+    ]
     for label, key, fmt in rows:
         c.print(f"  {label + ':':<15}{format(m.get(key, float('nan')), fmt)}{mark(key)}")
     c.print(f"  Sample prompt:   {rollout.prompts[0][:60]}", markup=False)
     c.print(f"  Sample response: {rollout.texts[0][:120]}", markup=False)
 
 
-def run_iteration(ctx: PPOContext, iteration: int) -> tuple[dict[str, float], Rollout,
-                                                               torch.Tensor]:
+def run_iteration(
+    ctx: PPOContext, iteration: int
+) -> tuple[dict[str, float], Rollout, torch.Tensor]:
     """One PPO iteration: rollout, advantages, K epochs of updates, β update. Returns the
     iteration's metrics, its rollout and the per-token KL (b, r) the rewards were shaped with."""
     cfg, acc = ctx.cfg, ctx.accelerator
     t0 = time.perf_counter()
     # 1. Rollout: sample prompts, generate, score, old log-probs, values, reference.
     index = sample_batch(ctx)
-    rollout = collect_rollout(ctx.unwrapped, ctx.reference, ctx.scorer, ctx.generator,
-                              [ctx.prompts[i] for i in index], [ctx.queries[i] for i in index],
-                              cfg)
+    rollout = collect_rollout(
+        ctx.unwrapped,
+        ctx.reference,
+        ctx.scorer,
+        ctx.generator,
+        [ctx.prompts[i] for i in index],
+        [ctx.queries[i] for i in index],
+        cfg,
+    )
     # 2. Advantages from KL-shaped rewards (β as it stands at this iteration).
     kl_coef = ctx.kl_ctl.value
     rewards, kl, advantages, returns = advantages_of(rollout, kl_coef, cfg)
@@ -272,24 +306,32 @@ def run_iteration(ctx: PPOContext, iteration: int) -> tuple[dict[str, float], Ro
     if math.isfinite(metrics["objective/kl"]):
         ctx.kl_ctl.update(metrics["objective/kl"], cfg.batch_size)
     n_tokens = float(acc.reduce(rollout.response_mask.sum().float(), "sum"))
-    metrics.update({**rollout.timings, "time/update_s": update_s,
-                    "time/iteration_s": time.perf_counter() - t0,
-                    "tokens/generated_per_s": n_tokens / rollout.timings["time/rollout_s"],
-                    "iteration": iteration})
+    metrics.update(
+        {
+            **rollout.timings,
+            "time/update_s": update_s,
+            "time/iteration_s": time.perf_counter() - t0,
+            "tokens/generated_per_s": n_tokens / rollout.timings["time/rollout_s"],
+            "iteration": iteration,
+        }
+    )
     return metrics, rollout, kl
 
 
-def record_iteration(ctx: PPOContext, iteration: int, metrics: dict[str, float],
-                     rollout: Rollout, kl: torch.Tensor) -> None:
+def record_iteration(
+    ctx: PPOContext, iteration: int, metrics: dict[str, float], rollout: Rollout, kl: torch.Tensor
+) -> None:
     """Main process: metrics.jsonl, the truncation warning, health rules, the console block and
     samples.jsonl every `log_every` iterations."""
     ctx.writer.log(metrics, step=iteration)
     if rollout.n_truncated and "reward_truncation" not in ctx.health.seen:
         ctx.health.seen.add("reward_truncation")
-        ctx.on_warning(f"iteration {iteration}: {rollout.n_truncated} of "
-                       f"{len(rollout.prompts)} reward inputs were longer than "
-                       "reward.max_length and truncated (reward/truncated_inputs counts them "
-                       "each iteration)")
+        ctx.on_warning(
+            f"iteration {iteration}: {rollout.n_truncated} of "
+            f"{len(rollout.prompts)} reward inputs were longer than "
+            "reward.max_length and truncated (reward/truncated_inputs counts them "
+            "each iteration)"
+        )
     for message in ctx.health.check(metrics, iteration, ctx.history):
         ctx.console.print(f"[yellow]health[/]: {message}", markup=True)
         ctx.on_warning(message)
@@ -313,17 +355,24 @@ def train(ctx: PPOContext, start_iteration: int = 0) -> dict[str, Any]:
             ctx.history.append(metrics)
             if acc.is_main_process:
                 record_iteration(ctx, iteration, metrics, rollout, kl)
-            progress.update(task, completed=iteration, info=(
-                f"reward {metrics['env/reward_mean']:+.3f}  kl {metrics['objective/kl']:.3f}  "
-                f"β {metrics['objective/kl_coef']:.4f}"))
+            progress.update(
+                task,
+                completed=iteration,
+                info=(
+                    f"reward {metrics['env/reward_mean']:+.3f}  kl {metrics['objective/kl']:.3f}  "
+                    f"β {metrics['objective/kl_coef']:.4f}"
+                ),
+            )
             if nonfinite_streak >= ctx.max_nonfinite:
                 checkpoint(ctx, iteration)
                 raise NonFiniteError(
                     f"{nonfinite_streak} iterations in a row had non-finite rewards or losses; "
                     "a checkpoint of the last state was written. The guide's fixes: reduce "
-                    "ppo.learning_rate, raise ppo.init_kl_coef, check the reward model's scores")
-            stop_now = bool(acc.reduce(torch.tensor(float(stop["stop"]), device=acc.device),
-                                       "max").item())
+                    "ppo.learning_rate, raise ppo.init_kl_coef, check the reward model's scores"
+                )
+            stop_now = bool(
+                acc.reduce(torch.tensor(float(stop["stop"]), device=acc.device), "max").item()
+            )
             if iteration % cfg.save_freq == 0 or iteration == cfg.iterations or stop_now:
                 checkpoint(ctx, iteration)
             if stop_now:
@@ -345,10 +394,14 @@ def _audit_metrics(ctx: PPOContext, iteration: int) -> dict[str, float]:
     if report is None:
         return {}
     if flagged_any:
-        ctx.on_warning(f"iteration {iteration}: the audit flagged {', '.join(report['flags'])}; "
-                       f"β raised to {ctx.kl_ctl.value:.4f}")
-    out = {f"audit/{k}": float(report[k]) for k in ("verbosity_score", "sycophancy_score",
-                                                   "repetition_score", "avg_response_len")}
+        ctx.on_warning(
+            f"iteration {iteration}: the audit flagged {', '.join(report['flags'])}; "
+            f"β raised to {ctx.kl_ctl.value:.4f}"
+        )
+    out = {
+        f"audit/{k}": float(report[k])
+        for k in ("verbosity_score", "sycophancy_score", "repetition_score", "avg_response_len")
+    }
     return {**out, "audit/hacking_detected": float(flagged_any)}
 
 
@@ -360,9 +413,15 @@ def _finite(metrics: dict[str, float]) -> bool:
 def _write_samples(ctx: PPOContext, iteration: int, rollout: Rollout, kl: torch.Tensor) -> None:
     """The guide: read 10 actual generated responses every so often."""
     for i in range(min(10, len(rollout.prompts))):
-        ctx.samples.log({"prompt": rollout.prompts[i], "response": rollout.texts[i],
-                         "score": float(rollout.scores[i]), "kl": float(kl[i].sum())},
-                        step=iteration)
+        ctx.samples.log(
+            {
+                "prompt": rollout.prompts[i],
+                "response": rollout.texts[i],
+                "score": float(rollout.scores[i]),
+                "kl": float(kl[i].sum()),
+            },
+            step=iteration,
+        )
 
 
 def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -372,10 +431,11 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
     fifth = max(1, len(history) // 5)
     first = [h["env/reward_mean"] for h in history[:fifth]]
     last = [h["env/reward_mean"] for h in history[-fifth:]]
-    return {"iterations": history[-1]["iteration"],
-            "reward_first_fifth": sum(first) / len(first),
-            "reward_last_fifth": sum(last) / len(last),
-            "kl_final": history[-1]["objective/kl"],
-            "kl_coef_final": history[-1]["objective/kl_coef"],
-            "iteration_s_median": sorted(h["time/iteration_s"] for h in history)[
-                len(history) // 2]}
+    return {
+        "iterations": history[-1]["iteration"],
+        "reward_first_fifth": sum(first) / len(first),
+        "reward_last_fifth": sum(last) / len(last),
+        "kl_final": history[-1]["objective/kl"],
+        "kl_coef_final": history[-1]["objective/kl_coef"],
+        "iteration_s_median": sorted(h["time/iteration_s"] for h in history)[len(history) // 2],
+    }

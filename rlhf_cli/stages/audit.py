@@ -20,16 +20,22 @@ from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import load_scorer, load_trained_policy
 
 
-def run_audit(recipe: Recipe, console: Console, checkpoint: Path | None = None,
-              responses_file: Path | None = None, samples: int | None = None) -> dict[str, Any]:
+def run_audit(
+    recipe: Recipe,
+    console: Console,
+    checkpoint: Path | None = None,
+    responses_file: Path | None = None,
+    samples: int | None = None,
+) -> dict[str, Any]:
     """Measure, print and save the audit report; return it (with `path` of the saved file)."""
     cfg = recipe.audit if samples is None else recipe.audit.model_copy(update={"samples": samples})
     run = RunDir.for_recipe(recipe)
     if responses_file is not None:
         prompts, responses = read_responses(responses_file)
         report = audit_responses(responses, cfg)
-        report["samples"] = [{"prompt": p, "response": r}
-                             for p, r in zip(prompts, responses, strict=True)]
+        report["samples"] = [
+            {"prompt": p, "response": r} for p, r in zip(prompts, responses, strict=True)
+        ]
         label = responses_file.stem
     else:
         device = pick_device(recipe.run.device)
@@ -38,10 +44,15 @@ def run_audit(recipe: Recipe, console: Console, checkpoint: Path | None = None,
         label = policy.label if checkpoint is not None else "ppo"
         with console.status(f"auditing {label}: sampling {cfg.samples} responses per prompt"):
             report = audit_policy(
-                policy.model, policy.tokenizer, audit_prompts(cfg), cfg,
+                policy.model,
+                policy.tokenizer,
+                audit_prompts(cfg),
+                cfg,
                 chat=recipe.model.prompt_format == "chat",
                 max_tokens=recipe.data.prompts.max_tokens,
-                reference=policy.reference, scorer=load_scorer(recipe, run, device))
+                reference=policy.reference,
+                scorer=load_scorer(recipe, run, device),
+            )
     report["audited"] = str(responses_file or checkpoint or run.stage_dir("ppo"))
     earlier = (run.read_manifest("audit") or {}).get("outputs", {})
     with StageRecord(run, "audit", recipe, inputs={}) as record:
@@ -49,7 +60,8 @@ def run_audit(recipe: Recipe, console: Console, checkpoint: Path | None = None,
         atomic_write_json(path, report)
         record.manifest["outputs"] = {**earlier, label: path.name}
         record.manifest["last"] = label
-        record.manifest["metrics"] = {k: v for k, v in report.items()
-                                      if isinstance(v, (int, float, bool))}
+        record.manifest["metrics"] = {
+            k: v for k, v in report.items() if isinstance(v, (int, float, bool))
+        }
     render_report(report, cfg, console, f"Reward Hack Audit · {label}")
     return {**report, "path": str(path)}

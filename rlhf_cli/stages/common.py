@@ -22,8 +22,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def trainer_kwargs(section: Any, device: torch.device, dtype: torch.dtype, out_dir: Path,
-                   seed: int) -> dict[str, Any]:
+def trainer_kwargs(
+    section: Any, device: torch.device, dtype: torch.dtype, out_dir: Path, seed: int
+) -> dict[str, Any]:
     """TrainingArguments shared by SFTConfig and RewardConfig.
 
     On a CPU the TRL configs need `use_cpu=True, bf16=False` (their defaults assume a GPU).
@@ -69,8 +70,9 @@ class RichProgressCallback(TrainerCallback):
         if self.task is not None:
             self.progress.update(self.task, completed=state.global_step)
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
-               **kwargs: Any) -> None:
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         if not state.is_world_process_zero or not logs:
             return
         row = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float))}
@@ -78,8 +80,9 @@ class RichProgressCallback(TrainerCallback):
         self.writer.log(row, step=state.global_step)
         if self.task is not None:
             shown = {k: row[k] for k in ("loss", "eval_loss", "eval_accuracy") if k in row}
-            self.progress.update(self.task, info="  ".join(f"{k} {v:.4f}"
-                                                           for k, v in shown.items()))
+            self.progress.update(
+                self.task, info="  ".join(f"{k} {v:.4f}" for k, v in shown.items())
+            )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.progress.stop()

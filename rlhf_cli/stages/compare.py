@@ -26,13 +26,19 @@ def run_compare(recipe: Recipe, prompts: list[str] | None = None) -> list[dict[s
     scorer = load_scorer(recipe, run, device)
     prompts = prompts or audit_prompts(recipe.audit)
     gen = recipe.audit.generation
-    queries = tokenize_prompts(policy.tokenizer, prompts, recipe.model.prompt_format == "chat",
-                               recipe.data.prompts.max_tokens)
+    queries = tokenize_prompts(
+        policy.tokenizer,
+        prompts,
+        recipe.model.prompt_format == "chat",
+        recipe.data.prompts.max_tokens,
+    )
     answers = {"ppo": generator_for(policy.model, policy.tokenizer).generate(queries, gen).texts}
     with policy.reference.model() as ref:
         answers["sft"] = generator_for(ref, policy.tokenizer).generate(queries, gen).texts
-    rows = [{"prompt": p, "sft": s, "ppo": q}
-            for p, s, q in zip(prompts, answers["sft"], answers["ppo"], strict=True)]
+    rows = [
+        {"prompt": p, "sft": s, "ppo": q}
+        for p, s, q in zip(prompts, answers["sft"], answers["ppo"], strict=True)
+    ]
     if scorer is not None:
         for name in ("sft", "ppo"):
             scores, _ = scorer.score(prompts, answers[name])

@@ -32,16 +32,19 @@ def _logits(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return forward_logits(model, ids, mask).float()[mask.bool()]
 
 
-def run_merge(recipe: Recipe, console: Console,
-              stage: Literal["ppo", "sft"] = "ppo") -> dict[str, Any]:
+def run_merge(
+    recipe: Recipe, console: Console, stage: Literal["ppo", "sft"] = "ppo"
+) -> dict[str, Any]:
     """Merge the PPO (or SFT) adapter; write `runs/<name>/merged/`; return its manifest."""
     from peft import PeftModel
 
     run = RunDir.for_recipe(recipe)
     manifest = run.require(stage, "rlhf merge")
     if "adapter" not in manifest["outputs"]:
-        raise StageError(f"the {stage} stage of run '{run.name}' trained all weights (no LoRA "
-                         f"adapter): its model folder is already complete, nothing to merge")
+        raise StageError(
+            f"the {stage} stage of run '{run.name}' trained all weights (no LoRA "
+            f"adapter): its model folder is already complete, nothing to merge"
+        )
     adapter = run.resolve_output(stage, manifest, "adapter")
     device = pick_device(recipe.run.device)
     model_cfg = merge_model_config(recipe)
@@ -59,18 +62,24 @@ def run_merge(recipe: Recipe, console: Console,
         tokenizer = load_tokenizer(tok_source, recipe.model.trust_remote_code, "left")
 
         # 2. Merge, and check the logits against the adapter model on a few prompts.
-        queries = tokenize_prompts(tokenizer, audit_prompts(recipe.audit)[:4],
-                                   recipe.model.prompt_format == "chat", 64)
+        queries = tokenize_prompts(
+            tokenizer, audit_prompts(recipe.audit)[:4], recipe.model.prompt_format == "chat", 64
+        )
         ids, mask = left_pad(queries, tokenizer.pad_token_id, device)
         before = _logits(model, ids, mask)
         merged = model.merge_and_unload()
         diff = float((_logits(merged, ids, mask) - before).abs().max())
-        record.manifest["metrics"] = {"max_abs_logit_diff": diff, "atol": recipe.merge.atol,
-                                      "dtype": str(next(merged.parameters()).dtype),
-                                      "parameters": sum(p.numel() for p in merged.parameters())}
+        record.manifest["metrics"] = {
+            "max_abs_logit_diff": diff,
+            "atol": recipe.merge.atol,
+            "dtype": str(next(merged.parameters()).dtype),
+            "parameters": sum(p.numel() for p in merged.parameters()),
+        }
         if diff > recipe.merge.atol:
-            raise MergeMismatch(f"the merged model's logits differ from the adapter model's by "
-                                f"{diff:.3g} > merge.atol ({recipe.merge.atol}); nothing saved")
+            raise MergeMismatch(
+                f"the merged model's logits differ from the adapter model's by "
+                f"{diff:.3g} > merge.atol ({recipe.merge.atol}); nothing saved"
+            )
 
         # 3. Save safetensors shards and the tokenizer in one folder (from_pretrained-ready).
         out = record.dir / "model"

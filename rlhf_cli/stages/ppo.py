@@ -65,33 +65,40 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     accelerator = Accelerator(cpu=pick_device(recipe.run.device).type == "cpu")
     world = accelerator.num_processes
     if recipe.ppo.batch_size % world or recipe.ppo.mini_batch_size % world:
-        raise StageError(f"ppo.batch_size ({recipe.ppo.batch_size}) and ppo.mini_batch_size "
-                         f"({recipe.ppo.mini_batch_size}) must split evenly over {world} "
-                         "processes")
+        raise StageError(
+            f"ppo.batch_size ({recipe.ppo.batch_size}) and ppo.mini_batch_size "
+            f"({recipe.ppo.mini_batch_size}) must split evenly over {world} "
+            "processes"
+        )
     inputs: dict[str, Any] = {}
     sources = PpoSources(*policy_source(recipe, run, inputs), *reward_source(recipe, run, inputs))
     seed_everything(recipe.run.seed + accelerator.process_index)
-    with StageRecord(run, "ppo", recipe, inputs=inputs,
-                     write=accelerator.is_main_process) as record:
+    with StageRecord(
+        run, "ppo", recipe, inputs=inputs, write=accelerator.is_main_process
+    ) as record:
         ctx, start = setup(recipe, run, sources, accelerator, record, console, resume)
         try:
             summary = train(ctx, start)
         finally:
             ctx.writer.close()
             ctx.samples.close()
-            record.manifest["metrics"] = {**summarize(ctx.history),
-                                          "kl_coef_now": ctx.kl_ctl.value}
+            record.manifest["metrics"] = {**summarize(ctx.history), "kl_coef_now": ctx.kl_ctl.value}
             record.save()
         if accelerator.is_main_process:
             save(ctx, recipe, sources, record, summary)
     return record.manifest
 
 
-def setup(recipe: Recipe, run: RunDir, sources: PpoSources, accelerator: Any,
-          record: StageRecord, console: Console, resume: bool) -> tuple[PPOContext, int]:
+def setup(
+    recipe: Recipe,
+    run: RunDir,
+    sources: PpoSources,
+    accelerator: Any,
+    record: StageRecord,
+    console: Console,
+    resume: bool,
+) -> tuple[PPOContext, int]:
     """Everything the loop needs, and the iteration to start after (0, or the checkpoint's)."""
-    from transformers import get_constant_schedule
-
     cfg, device, stage_dir = recipe.ppo, accelerator.device, run.stage_dir("ppo")
     # 1. Tokenizer, prompts, and the guide's "common mistakes" caught before training.
     tokenizer = load_tokenizer(sources.tokenizer, recipe.model.trust_remote_code, "left")
@@ -102,73 +109,121 @@ def setup(recipe: Recipe, run: RunDir, sources: PpoSources, accelerator: Any,
 
     # 2. Models: frozen reward model, actor (policy + value), reference.
     scorer, same_tokenizer = load_ppo_scorer(recipe, sources, device, tokenizer)
-    actor, reference = build_actor(recipe, sources.base, sources.sft_adapter, device,
-                                   sources.reward, scorer.model, same_tokenizer)
+    actor, reference = build_actor(recipe, sources, device, scorer.model, same_tokenizer)
     check_fit(recipe, actor.policy, scorer.model, scorer.tokenizer)
     chat = recipe.model.prompt_format == "chat"
     queries = tokenize_prompts(tokenizer, prompts, chat, recipe.data.prompts.max_tokens)
 
-    # 3. Optimizer, schedule, KL controller; then resume if asked.
-    params = [p for p in actor.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, eps=cfg.adam_eps)
-    scheduler = get_constant_schedule(optimizer)
-    kl_ctl = (core.AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.horizon)
-              if cfg.adaptive_kl else core.FixedKLController(cfg.init_kl_coef))
-    sampler = torch.Generator().manual_seed(recipe.run.seed)
+    # 3. Optimizer, schedule, KL controller, prompt sampler; then resume if asked.
+    optimizer, scheduler, kl_ctl, sampler = optimization(recipe, actor)
     start, seen = 0, []
     if not resume and accelerator.is_main_process:  # old checkpoints must not be resumed later
         shutil.rmtree(stage_dir / "checkpoints", ignore_errors=True)
     if resume:
-        start, seen = _resume(record, stage_dir, actor, optimizer, scheduler, kl_ctl, sampler,
-                              console)
+        start, seen = _resume(
+            record, stage_dir, actor, optimizer, scheduler, kl_ctl, sampler, console
+        )
     prepared_actor, optimizer = accelerator.prepare(actor, optimizer)
 
     # 4. Logs (appended to on resume) and the context the loop reads.
     is_main = accelerator.is_main_process
     ctx = PPOContext(
-        cfg=cfg, accelerator=accelerator, actor=prepared_actor, reference=reference,
-        scorer=scorer, generator=generator_for(actor.policy, tokenizer), tokenizer=tokenizer,
-        prompts=prompts, queries=queries, optimizer=optimizer, scheduler=scheduler,
-        kl_ctl=kl_ctl, sampler=sampler, stage_dir=stage_dir,
-        writer=MetricsWriter(stage_dir / "metrics.jsonl", recipe.run.trackers, is_main,
-                             resume=start > 0),
+        cfg=cfg,
+        accelerator=accelerator,
+        actor=prepared_actor,
+        reference=reference,
+        scorer=scorer,
+        generator=generator_for(actor.policy, tokenizer),
+        tokenizer=tokenizer,
+        prompts=prompts,
+        queries=queries,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        kl_ctl=kl_ctl,
+        sampler=sampler,
+        stage_dir=stage_dir,
+        writer=MetricsWriter(
+            stage_dir / "metrics.jsonl", recipe.run.trackers, is_main, resume=start > 0
+        ),
         samples=MetricsWriter(stage_dir / "samples.jsonl", None, is_main, resume=start > 0),
-        console=console, health=HealthMonitor(seen), on_warning=record.warn,
-        audit=_live_audit(recipe, chat), audit_every=recipe.audit.every,
-        audit_kl_step=recipe.audit.kl_coef_step, max_nonfinite=cfg.max_nonfinite)
+        console=console,
+        health=HealthMonitor(seen),
+        on_warning=record.warn,
+        audit=_live_audit(recipe, chat),
+        audit_every=recipe.audit.every,
+        audit_kl_step=recipe.audit.kl_coef_step,
+        max_nonfinite=cfg.max_nonfinite,
+    )
     if start:
-        ctx.history = [r for r in read_metrics(stage_dir / "metrics.jsonl")
-                       if r.get("iteration", 0) <= start]
+        ctx.history = [
+            r for r in read_metrics(stage_dir / "metrics.jsonl") if r.get("iteration", 0) <= start
+        ]
     return ctx, start
 
 
-def save(ctx: PPOContext, recipe: Recipe, sources: PpoSources, record: StageRecord,
-         summary: dict[str, Any]) -> None:
+def save(
+    ctx: PPOContext,
+    recipe: Recipe,
+    sources: PpoSources,
+    record: StageRecord,
+    summary: dict[str, Any],
+) -> None:
     """Final artifacts on the main process: adapter (or model), value head, tokenizer."""
     actor, stage_dir = ctx.unwrapped, ctx.stage_dir
     kind = "adapter" if recipe.model.lora.enabled else "model"
     actor.policy.save_pretrained(stage_dir / kind)
     ctx.tokenizer.save_pretrained(stage_dir / "tokenizer")
     save_file(actor.value_state_dict(), stage_dir / "value_head.safetensors")
-    record.manifest["outputs"] = {kind: kind, "tokenizer": "tokenizer",
-                                  "value_head": "value_head.safetensors",
-                                  "metrics": "metrics.jsonl", "samples": "samples.jsonl",
-                                  "checkpoints": "checkpoints"}
+    record.manifest["outputs"] = {
+        kind: kind,
+        "tokenizer": "tokenizer",
+        "value_head": "value_head.safetensors",
+        "metrics": "metrics.jsonl",
+        "samples": "samples.jsonl",
+        "checkpoints": "checkpoints",
+    }
     record.manifest["base_model"] = sources.base
     record.manifest["reward_model"] = sources.reward
     record.manifest["metrics"] = {**summary, "kl_coef_now": ctx.kl_ctl.value}
 
 
-def load_ppo_scorer(recipe: Recipe, sources: PpoSources, device: torch.device,
-                    tokenizer: Any) -> tuple[RewardScorer, bool]:
+def optimization(recipe: Recipe, actor: PolicyAndValue) -> tuple[Any, Any, Any, torch.Generator]:
+    """AdamW over the trainable weights (eps from the recipe), a constant schedule, the KL
+    controller (adaptive or fixed β) and the seeded prompt sampler."""
+    from transformers import get_constant_schedule
+
+    cfg = recipe.ppo
+    params = [p for p in actor.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, eps=cfg.adam_eps)
+    kl_ctl = (
+        core.AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.horizon)
+        if cfg.adaptive_kl
+        else core.FixedKLController(cfg.init_kl_coef)
+    )
+    sampler = torch.Generator().manual_seed(recipe.run.seed)
+    return optimizer, get_constant_schedule(optimizer), kl_ctl, sampler
+
+
+def load_ppo_scorer(
+    recipe: Recipe, sources: PpoSources, device: torch.device, tokenizer: Any
+) -> tuple[RewardScorer, bool]:
     """The frozen reward model as a scorer, and whether it shares the policy's tokenizer."""
-    reward_tokenizer = load_tokenizer(sources.reward_tokenizer, recipe.reward.trust_remote_code,
-                                      "right")
-    model = freeze(load_reward_model(sources.reward, device, recipe.reward.dtype,
-                                     recipe.reward.trust_remote_code))
+    reward_tokenizer = load_tokenizer(
+        sources.reward_tokenizer, recipe.reward.trust_remote_code, "right"
+    )
+    model = freeze(
+        load_reward_model(
+            sources.reward, device, recipe.reward.dtype, recipe.reward.trust_remote_code
+        )
+    )
     set_dropout(model, 0.0)
-    scorer = RewardScorer(model, reward_tokenizer, recipe.reward.template,
-                          recipe.reward.max_length, recipe.reward.score_batch_size)
+    scorer = RewardScorer(
+        model,
+        reward_tokenizer,
+        recipe.reward.template,
+        recipe.reward.max_length,
+        recipe.reward.score_batch_size,
+    )
     return scorer, reward_tokenizer.get_vocab() == tokenizer.get_vocab()
 
 
@@ -177,13 +232,17 @@ def startup_warnings(recipe: Recipe, run: RunDir, prompts: list[str]) -> list[st
     the reward model was trained on."""
     cfg, warnings = recipe.ppo, []
     if cfg.ppo_epochs > 4:
-        warnings.append(f"ppo.ppo_epochs is {cfg.ppo_epochs}: beyond 4 the rollout goes "
-                        "off-policy (the guide keeps K <= 4; K = 2 is safer)")
+        warnings.append(
+            f"ppo.ppo_epochs is {cfg.ppo_epochs}: beyond 4 the rollout goes "
+            "off-policy (the guide keeps K <= 4; K = 2 is safer)"
+        )
     overlap = 0 if cfg.allow_prompt_overlap else prompt_overlap(run, prompts)
     if overlap:
-        warnings.append(f"{overlap} of {len(prompts)} PPO prompts were in the reward model's "
-                        "training pairs: it overestimates scores there; use separate prompts "
-                        "(ppo.allow_prompt_overlap: true silences this)")
+        warnings.append(
+            f"{overlap} of {len(prompts)} PPO prompts were in the reward model's "
+            "training pairs: it overestimates scores there; use separate prompts "
+            "(ppo.allow_prompt_overlap: true silences this)"
+        )
     return warnings
 
 
@@ -194,25 +253,47 @@ def _live_audit(recipe: Recipe, chat: bool) -> Callable[[PPOContext], dict[str, 
     prompts = audit_prompts(recipe.audit)
 
     def audit(ctx: PPOContext) -> dict[str, Any]:
-        return audit_policy(ctx.unwrapped.policy, ctx.tokenizer, prompts, recipe.audit,
-                            chat=chat, max_tokens=recipe.data.prompts.max_tokens,
-                            reference=ctx.reference, scorer=ctx.scorer)
+        return audit_policy(
+            ctx.unwrapped.policy,
+            ctx.tokenizer,
+            prompts,
+            recipe.audit,
+            chat=chat,
+            max_tokens=recipe.data.prompts.max_tokens,
+            reference=ctx.reference,
+            scorer=ctx.scorer,
+        )
 
     return audit
 
 
-def _resume(record: StageRecord, stage_dir: Path, actor: PolicyAndValue, optimizer: Any,
-            scheduler: Any, kl_ctl: Any, sampler: torch.Generator,
-            console: Console) -> tuple[int, list[str]]:
+def _resume(
+    record: StageRecord,
+    stage_dir: Path,
+    actor: PolicyAndValue,
+    optimizer: Any,
+    scheduler: Any,
+    kl_ctl: Any,
+    sampler: torch.Generator,
+    console: Console,
+) -> tuple[int, list[str]]:
     folder, notes = newest_valid(stage_dir / "checkpoints")
     for note in notes:
         console.print(f"[yellow]resume[/]: {note}")
         record.warn(note)
     if folder is None:
-        raise StageError(f"--resume: no usable checkpoint under {stage_dir / 'checkpoints'}; "
-                         "run `rlhf ppo` without --resume to start over")
-    state, value_state = load_checkpoint(folder, policy=actor.policy, optimizer=optimizer,
-                                         scheduler=scheduler, kl_ctl=kl_ctl, sampler=sampler)
+        raise StageError(
+            f"--resume: no usable checkpoint under {stage_dir / 'checkpoints'}; "
+            "run `rlhf ppo` without --resume to start over"
+        )
+    state, value_state = load_checkpoint(
+        folder,
+        policy=actor.policy,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        kl_ctl=kl_ctl,
+        sampler=sampler,
+    )
     actor.load_value_state_dict(value_state)
     console.print(f"resuming from {folder.name} (iteration {state['iteration']})")
     _truncate_jsonl(stage_dir / "metrics.jsonl", state["iteration"])
@@ -224,19 +305,27 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
     """Drop lines logged after the checkpoint, so the resumed log has one line per iteration."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= last_step
+    ]
     atomic_write_bytes(path, ("\n".join(keep) + "\n" if keep else "").encode())
 
 
-def build_actor(recipe: Recipe, base: str, sft_adapter: Path | None, device: torch.device,
-                reward_path: str, reward_model: Any,
-                same_tokenizer: bool) -> tuple[PolicyAndValue, Reference]:
+def build_actor(
+    recipe: Recipe,
+    sources: PpoSources,
+    device: torch.device,
+    reward_model: Any,
+    same_tokenizer: bool,
+) -> tuple[PolicyAndValue, Reference]:
     """Policy (+ fresh LoRA), value head or critic, and the reference, dropout off."""
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModel
 
     cfg, lora = recipe.ppo, recipe.model.lora
+    base, sft_adapter, reward_path = sources.base, sources.sft_adapter, sources.reward
     model = load_sft_model(recipe.model, base, sft_adapter, device)
     if lora.enabled:
         if recipe.model.quantization.load_in_4bit:
@@ -247,16 +336,19 @@ def build_actor(recipe: Recipe, base: str, sft_adapter: Path | None, device: tor
         policy = model
         for param in policy.parameters():
             param.requires_grad_(True)
-        reference = Reference(policy, frozen_copy=load_sft_model(recipe.model, base, sft_adapter,
-                                                                 device))
+        reference = Reference(
+            policy, frozen_copy=load_sft_model(recipe.model, base, sft_adapter, device)
+        )
     set_dropout(policy, 0.0)
 
     if cfg.value_model == "shared":
         actor = PolicyAndValue(policy, value_head=zero_value_head(hidden_size_of(policy)))
     else:
         if cfg.value_init == "reward_model" and not same_tokenizer:
-            raise ModelLoadError("ppo.value_init: reward_model needs a reward model that shares "
-                                 "the policy's tokenizer; use value_init: policy")
+            raise ModelLoadError(
+                "ppo.value_init: reward_model needs a reward model that shares "
+                "the policy's tokenizer; use value_init: policy"
+            )
         source = resolve_model_path(reward_path if cfg.value_init == "reward_model" else base)
         backbone = AutoModel.from_pretrained(source)
         head = zero_value_head(hidden_size_of(backbone))
@@ -271,10 +363,14 @@ def _reward_head(reward_model: Any, reward_path: str) -> dict[str, torch.Tensor]
     """The reward model's scalar head, to start a per-token critic from it."""
     head = getattr(reward_model, "score", None) or getattr(reward_model, "classifier", None)
     if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
-        raise ModelLoadError(f"reward model '{reward_path}' has no linear 1-logit head to "
-                             "initialise the critic from; use ppo.value_init: policy")
-    return {"weight": head.weight.detach().float(), "bias": head.bias.detach().float()
-            if head.bias is not None else torch.zeros(1)}
+        raise ModelLoadError(
+            f"reward model '{reward_path}' has no linear 1-logit head to "
+            "initialise the critic from; use ppo.value_init: policy"
+        )
+    return {
+        "weight": head.weight.detach().float(),
+        "bias": head.bias.detach().float() if head.bias is not None else torch.zeros(1),
+    }
 
 
 def check_fit(recipe: Recipe, policy: Any, reward_model: Any, reward_tokenizer: Any) -> None:
@@ -282,18 +378,24 @@ def check_fit(recipe: Recipe, policy: Any, reward_model: Any, reward_tokenizer: 
     context = getattr(policy.config, "max_position_embeddings", None)
     need = recipe.data.prompts.max_tokens + recipe.ppo.generation.max_new_tokens
     if context and need > context:
-        raise DataError(f"data.prompts.max_tokens ({recipe.data.prompts.max_tokens}) + "
-                        f"ppo.generation.max_new_tokens ({recipe.ppo.generation.max_new_tokens})"
-                        f" = {need} exceeds the policy's context of {context} tokens")
+        raise DataError(
+            f"data.prompts.max_tokens ({recipe.data.prompts.max_tokens}) + "
+            f"ppo.generation.max_new_tokens ({recipe.ppo.generation.max_new_tokens})"
+            f" = {need} exceeds the policy's context of {context} tokens"
+        )
     rm_context = getattr(reward_model.config, "max_position_embeddings", None)
     if rm_context and recipe.reward.max_length > rm_context:
-        raise DataError(f"reward.max_length ({recipe.reward.max_length}) exceeds the reward "
-                        f"model's context of {rm_context} tokens")
+        raise DataError(
+            f"reward.max_length ({recipe.reward.max_length}) exceeds the reward "
+            f"model's context of {rm_context} tokens"
+        )
     vocab = reward_model.get_input_embeddings().num_embeddings
     if len(reward_tokenizer) > vocab:
-        raise DataError(f"the reward tokenizer has {len(reward_tokenizer)} tokens but the reward "
-                        f"model only {vocab} embeddings: reward.tokenizer does not match "
-                        "reward model")
+        raise DataError(
+            f"the reward tokenizer has {len(reward_tokenizer)} tokens but the reward "
+            f"model only {vocab} embeddings: reward.tokenizer does not match "
+            "reward model"
+        )
 
 
 def prompt_overlap(run: RunDir, prompts: list[str]) -> int:

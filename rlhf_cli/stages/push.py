@@ -7,6 +7,7 @@ line, and it is never written: not to logs, manifests, the card, or error messag
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,64 +33,109 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def _metrics(manifest: dict[str, Any], keep: Callable[[str], bool] = lambda k: True) -> str:
+    return ", ".join(f"{k} {_fmt(v)}" for k, v in manifest.get("metrics", {}).items() if keep(k))
+
+
+def _how_it_was_made(recipe: Recipe, run: RunDir) -> list[str]:
+    """The card's table: each stage's settings and results (from its manifest)."""
+    sft, rm, ppo, audit = (run.read_manifest(s) or {} for s in ("sft", "rm", "ppo", "audit"))
+    p, a = recipe.ppo, recipe.audit
+    sft_settings = (
+        f"lr {recipe.sft.learning_rate}, {recipe.sft.epochs} epochs"
+        if recipe.sft.enabled
+        else "skipped (instruction-tuned base)"
+    )
+    kl_mode = f"adaptive, target {p.target_kl}" if p.adaptive_kl else "fixed"
+    reward = recipe.reward
+    return [
+        "## How it was made",
+        "",
+        "| stage | settings | result |",
+        "|---|---|---|",
+        f"| SFT | {sft_settings} | {_metrics(sft, lambda k: k.startswith('eval_loss'))} |",
+        f"| Reward model | {reward.pretrained or reward.base_model}, template "
+        f"`{reward.template!r}`, max length {reward.max_length} | "
+        f"{_metrics(rm, lambda k: k in ('eval_accuracy', 'eval_margin'))} |",
+        f"| PPO | {p.iterations} iterations, batch {p.batch_size}, lr {p.learning_rate}, "
+        f"β₀ {p.init_kl_coef} ({kl_mode}), γ {p.gamma}, λ {p.lam}, clip {p.cliprange}, "
+        f"vf_coef {p.vf_coef}, LoRA r {recipe.model.lora.r} | {_metrics(ppo)} |",
+        f"| Audit | verbosity > {a.verbosity_threshold}, sycophancy > "
+        f"{a.sycophancy_threshold}, repetition > {a.repetition_threshold} | {_metrics(audit)} |",
+        "",
+    ]
+
+
+FINAL_METRICS = (
+    "env/reward_mean",
+    "objective/kl",
+    "objective/kl_coef",
+    "objective/entropy",
+    "objective/clipfrac",
+    "ppo/loss/value",
+)
+
+
+def _final_metrics(run: RunDir) -> list[str]:
+    rows = read_metrics(run.stage_dir("ppo") / "metrics.jsonl")
+    last = rows[-1] if rows else {}
+    return ["## Final PPO metrics", ""] + [
+        f"- `{key}`: {last[key]:.4g}" for key in FINAL_METRICS if last.get(key) is not None
+    ]
+
+
+def _how_to_load(repo: str, base: str, adapter_only: bool) -> list[str]:
+    if adapter_only:
+        code = [
+            "from peft import PeftModel",
+            "from transformers import AutoModelForCausalLM",
+            "",
+            f"base = AutoModelForCausalLM.from_pretrained({base!r})",
+            f"model = PeftModel.from_pretrained(base, {repo!r})",
+        ]
+    else:
+        code = [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f"model = AutoModelForCausalLM.from_pretrained({repo!r})",
+            f"tokenizer = AutoTokenizer.from_pretrained({repo!r})",
+        ]
+    return ["## How to load", "", "```python", *code, "```", ""]
+
+
 def model_card(recipe: Recipe, run: RunDir, adapter_only: bool) -> str:
     """README.md of the pushed folder: what it is, how it was made, how to load it."""
     repo = recipe.push.repo_id
-    sft, rm, ppo = (run.read_manifest(s) or {} for s in ("sft", "rm", "ppo"))
-    audit = run.read_manifest("audit") or {}
-    p = recipe.ppo
-    base = ppo.get("base_model", recipe.model.name_or_path)
-    sft_settings = ("skipped (instruction-tuned base)" if not recipe.sft.enabled
-                    else f"lr {recipe.sft.learning_rate}, {recipe.sft.epochs} epochs")
-    kl_mode = f"adaptive, target {p.target_kl}" if p.adaptive_kl else "fixed"
-    lines = [
-        "---", "library_name: " + ("peft" if adapter_only else "transformers"),
-        "tags: [rlhf, ppo, rlhf-cli]", "---", "",
-        f"# {repo}", "",
+    base = (run.read_manifest("ppo") or {}).get("base_model", recipe.model.name_or_path)
+    header = [
+        "---",
+        "library_name: " + ("peft" if adapter_only else "transformers"),
+        "tags: [rlhf, ppo, rlhf-cli]",
+        "---",
+        "",
+        f"# {repo}",
+        "",
         f"A policy aligned with PPO from human-preference rewards by rlhf-cli (run "
-        f"`{run.name}`), starting from `{recipe.model.name_or_path}`.", "",
-        "## How it was made", "",
-        "| stage | settings | result |", "|---|---|---|",
-        f"| SFT | {sft_settings} | "
-        + ", ".join(f"{k} {_fmt(v)}" for k, v in sft.get("metrics", {}).items()
-                    if k.startswith("eval_loss")) + " |",
-        f"| Reward model | {recipe.reward.pretrained or recipe.reward.base_model}, template "
-        f"`{recipe.reward.template!r}`, max length {recipe.reward.max_length} | "
-        + ", ".join(f"{k} {_fmt(v)}" for k, v in rm.get("metrics", {}).items()
-                    if k in ("eval_accuracy", "eval_margin")) + " |",
-        f"| PPO | {p.iterations} iterations, batch {p.batch_size}, lr {p.learning_rate}, "
-        f"β₀ {p.init_kl_coef} ({kl_mode}), "
-        f"γ {p.gamma}, λ {p.lam}, clip {p.cliprange}, vf_coef {p.vf_coef}, LoRA r "
-        f"{recipe.model.lora.r} | "
-        + ", ".join(f"{k} {_fmt(v)}" for k, v in ppo.get("metrics", {}).items()) + " |",
-        f"| Audit | verbosity > {recipe.audit.verbosity_threshold}, sycophancy > "
-        f"{recipe.audit.sycophancy_threshold}, repetition > {recipe.audit.repetition_threshold}"
-        " | " + ", ".join(f"{k} {_fmt(v)}" for k, v in audit.get("metrics", {}).items()) + " |",
-        "", "## Final PPO metrics", "",
+        f"`{run.name}`), starting from `{recipe.model.name_or_path}`.",
+        "",
     ]
-    rows = read_metrics(run.stage_dir("ppo") / "metrics.jsonl")
-    if rows:
-        last = rows[-1]
-        for key in ("env/reward_mean", "objective/kl", "objective/kl_coef", "objective/entropy",
-                    "objective/clipfrac", "ppo/loss/value"):
-            if key in last and last[key] is not None:
-                lines.append(f"- `{key}`: {last[key]:.4g}")
-    lines += [
-        "", "## Intended use", "",
+    intended_use = [
+        "",
+        "## Intended use",
+        "",
         "Research and evaluation of RLHF-aligned assistants. Reward is relative to this run's "
         "reward model and reference: check quality with an external benchmark (MT-Bench, "
-        "AlpacaEval, head-to-head win rates) before relying on it.", "",
-        "## How to load", "", "```python",
+        "AlpacaEval, head-to-head win rates) before relying on it.",
+        "",
     ]
-    if adapter_only:
-        lines += ["from peft import PeftModel", "from transformers import AutoModelForCausalLM",
-                  "", f"base = AutoModelForCausalLM.from_pretrained({base!r})",
-                  f"model = PeftModel.from_pretrained(base, {repo!r})"]
-    else:
-        lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-                  f"model = AutoModelForCausalLM.from_pretrained({repo!r})",
-                  f"tokenizer = AutoTokenizer.from_pretrained({repo!r})"]
-    return "\n".join(lines + ["```", ""])
+    sections = [
+        header,
+        _how_it_was_made(recipe, run),
+        _final_metrics(run),
+        intended_use,
+        _how_to_load(repo, base, adapter_only),
+    ]
+    return "\n".join(line for section in sections for line in section)
 
 
 def push_folder(recipe: Recipe, run: RunDir, adapter_only: bool) -> Path:
@@ -100,8 +146,9 @@ def push_folder(recipe: Recipe, run: RunDir, adapter_only: bool) -> Path:
     return run.resolve_output("merged", manifest, "model")
 
 
-def run_push(recipe: Recipe, console: Console, adapter_only: bool = False,
-             dry_run: bool = False) -> dict[str, Any]:
+def run_push(
+    recipe: Recipe, console: Console, adapter_only: bool = False, dry_run: bool = False
+) -> dict[str, Any]:
     """Write the model card, then upload the folder (unless `dry_run`); return what was sent."""
     run = RunDir.for_recipe(recipe)
     repo_id = recipe.push.repo_id
@@ -110,29 +157,41 @@ def run_push(recipe: Recipe, console: Console, adapter_only: bool = False,
     folder = push_folder(recipe, run, adapter_only)
     atomic_write_bytes(folder / "README.md", model_card(recipe, run, adapter_only).encode())
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-    result: dict[str, Any] = {"repo_id": repo_id, "folder": str(folder), "files": files,
-                              "bytes": sum((folder / f).stat().st_size for f in files),
-                              "commit_message": recipe.push.commit_message,
-                              "private": recipe.push.private, "dry_run": dry_run}
+    result: dict[str, Any] = {
+        "repo_id": repo_id,
+        "folder": str(folder),
+        "files": files,
+        "bytes": sum((folder / f).stat().st_size for f in files),
+        "commit_message": recipe.push.commit_message,
+        "private": recipe.push.private,
+        "dry_run": dry_run,
+    }
     if dry_run:
-        console.print(f"dry run: would upload {len(files)} files ({result['bytes'] / 1e6:.1f} MB)"
-                      f" from {folder} to {repo_id}")
+        console.print(
+            f"dry run: would upload {len(files)} files ({result['bytes'] / 1e6:.1f} MB)"
+            f" from {folder} to {repo_id}"
+        )
         return result
     token = hub_token()
     if not token:
         raise PushError("no Hugging Face token: set HF_TOKEN or log in with `hf auth login`")
-    inputs = {"merged" if not adapter_only else "ppo":
-              run.input_record("ppo" if adapter_only else "merged")}
+    inputs = {
+        "merged" if not adapter_only else "ppo": run.input_record(
+            "ppo" if adapter_only else "merged"
+        )
+    }
     with StageRecord(run, "push", recipe, inputs=inputs) as record:
-        url = upload(folder, repo_id, recipe.push.private, recipe.push.commit_message, token,
-                     console)
+        url = upload(
+            folder, repo_id, recipe.push.private, recipe.push.commit_message, token, console
+        )
         record.manifest["outputs"] = {"repo": url}
         record.manifest["metrics"] = {"files": len(files), "bytes": result["bytes"]}
     return {**result, "url": url}
 
 
-def upload(folder: Path, repo_id: str, private: bool, message: str, token: str,
-           console: Console) -> str:
+def upload(
+    folder: Path, repo_id: str, private: bool, message: str, token: str, console: Console
+) -> str:
     """create_repo (if needed) + upload_folder; hub errors become one redacted line."""
     from huggingface_hub import HfApi
 
@@ -140,8 +199,9 @@ def upload(folder: Path, repo_id: str, private: bool, message: str, token: str,
     try:
         with console.status(f"uploading {folder} to {repo_id}"):
             api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-            commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id,
-                                       repo_type="model", commit_message=message)
+            commit = api.upload_folder(
+                folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=message
+            )
     except Exception as exc:  # HTTP errors, refused connections, timeouts: all mean "not sent"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PushError(f"push to {repo_id} failed: {redact(first, token)}") from None

@@ -28,8 +28,9 @@ PANELS = [
 ]
 
 
-def band_limits(values: list[float | None], band: tuple[float | None, float | None]
-                ) -> tuple[float, float]:
+def band_limits(
+    values: list[float | None], band: tuple[float | None, float | None]
+) -> tuple[float, float]:
     """Y-axis limits that show the data and the healthy band's edges: a closed edge just inside
     the view, an open edge (no bound) a quarter of the span beyond the data, so the band is
     drawn at its true place and size whatever the data do."""
@@ -37,8 +38,10 @@ def band_limits(values: list[float | None], band: tuple[float | None, float | No
     points = [v for v in values if v is not None] + [x for x in band if x is not None]
     top, bottom = max(points), min(points)
     span = max(top - bottom, 0.05 * max(abs(top), abs(bottom), 1.0))
-    return (bottom - 0.25 * span if low is None else bottom - 0.05 * span,
-            top + 0.25 * span if high is None else top + 0.05 * span)
+    return (
+        bottom - 0.25 * span if low is None else bottom - 0.05 * span,
+        top + 0.25 * span if high is None else top + 0.05 * span,
+    )
 
 
 def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -59,8 +62,13 @@ def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             bottom, top = band_limits([r.get(keys[0]) for r in rows], health.band)
             ax.set_ylim(bottom, top)
             low, high = health.band
-            ax.axhspan(bottom if low is None else low, top if high is None else high,
-                       color="tab:green", alpha=0.12, label=f"healthy (guide: {health.healthy})")
+            ax.axhspan(
+                bottom if low is None else low,
+                top if high is None else high,
+                color="tab:green",
+                alpha=0.12,
+                label=f"healthy (guide: {health.healthy})",
+            )
         for step in audits:
             ax.axvline(step, color="tab:red", linestyle=":", linewidth=1)
         ax.set_title(name)
@@ -80,8 +88,10 @@ def run_report(run: RunDir) -> dict[str, str]:
     stage_dir = run.stage_dir("ppo")
     rows = read_metrics(stage_dir / "metrics.jsonl")
     if not rows:
-        raise StageError(f"run '{run.name}' has no PPO metrics ({stage_dir / 'metrics.jsonl'}): "
-                         "run `rlhf ppo` first")
+        raise StageError(
+            f"run '{run.name}' has no PPO metrics ({stage_dir / 'metrics.jsonl'}): "
+            "run `rlhf ppo` first"
+        )
     png = stage_dir / "report.png"
     plot_metrics(rows, png, f"rlhf-cli · run {run.name} · {len(rows)} iterations")
     sections = []
@@ -89,12 +99,15 @@ def run_report(run: RunDir) -> dict[str, str]:
         manifest = run.read_manifest(stage)
         if manifest:
             summary = {"status": manifest["status"], **manifest.get("metrics", {})}
-            sections.append(f"<h2>{stage}</h2><pre>{html.escape(json.dumps(summary, indent=2))}"
-                            "</pre>")
+            sections.append(
+                f"<h2>{stage}</h2><pre>{html.escape(json.dumps(summary, indent=2))}</pre>"
+            )
     image = base64.b64encode(png.read_bytes()).decode()
-    page = (f"<!doctype html><meta charset='utf-8'><title>rlhf report: {html.escape(run.name)}"
-            f"</title><h1>Run {html.escape(run.name)}</h1>"
-            f"<img alt='PPO curves' src='data:image/png;base64,{image}'>" + "".join(sections))
+    page = (
+        f"<!doctype html><meta charset='utf-8'><title>rlhf report: {html.escape(run.name)}"
+        f"</title><h1>Run {html.escape(run.name)}</h1>"
+        f"<img alt='PPO curves' src='data:image/png;base64,{image}'>" + "".join(sections)
+    )
     out = stage_dir / "report.html"
     atomic_write_bytes(out, page.encode())
     return {"png": str(png), "html": str(out)}

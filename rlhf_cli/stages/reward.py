@@ -40,8 +40,12 @@ def pairwise_eval(scorer: RewardScorer, pairs: list[dict[str, str]]) -> dict[str
     chosen, _ = scorer.score(prompts, [p["chosen"] for p in pairs])
     rejected, _ = scorer.score(prompts, [p["rejected"] for p in pairs])
     margin = chosen - rejected
-    return {"accuracy": float((margin > 0).float().mean()), "margin": float(margin.mean()),
-            "chosen_mean": float(chosen.mean()), "rejected_mean": float(rejected.mean())}
+    return {
+        "accuracy": float((margin > 0).float().mean()),
+        "margin": float(margin.mean()),
+        "chosen_mean": float(chosen.mean()),
+        "rejected_mean": float(rejected.mean()),
+    }
 
 
 def run_train_rm(recipe: Recipe, console: Console) -> dict[str, Any]:
@@ -50,8 +54,10 @@ def run_train_rm(recipe: Recipe, console: Console) -> dict[str, Any]:
 
     cfg, run = recipe.reward, RunDir.for_recipe(recipe)
     if cfg.pretrained is not None:
-        raise StageError(f"reward.pretrained is set ({cfg.pretrained}): there is no reward model "
-                         "to train, `rlhf ppo` uses it directly")
+        raise StageError(
+            f"reward.pretrained is set ({cfg.pretrained}): there is no reward model "
+            "to train, `rlhf ppo` uses it directly"
+        )
     is_main = PartialState().is_main_process
     seed_everything(recipe.run.seed)
     device = pick_device(recipe.run.device)
@@ -86,11 +92,13 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
     from datasets import Dataset
 
     cfg = recipe.reward
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.base_model, cfg.trust_remote_code,
-                               padding_side="right")
+    tokenizer = load_tokenizer(
+        cfg.tokenizer or cfg.base_model, cfg.trust_remote_code, padding_side="right"
+    )
     pairs = load_preferences(recipe.data.preferences, cache_dir=run.path / ".cache")
-    train_pairs, eval_pairs = split_eval(pairs, recipe.data.preferences.eval_fraction,
-                                         recipe.run.seed)
+    train_pairs, eval_pairs = split_eval(
+        pairs, recipe.data.preferences.eval_fraction, recipe.run.seed
+    )
     model = load_reward_model(cfg.base_model, device, cfg.dtype, cfg.trust_remote_code)
     model.config.pad_token_id = tokenizer.pad_token_id
     scorer = RewardScorer(model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size)
@@ -101,8 +109,10 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
         encoded[f"{side}_ids"], count = scorer.encode(texts)
         n_truncated += count
     if n_truncated:
-        record.warn(f"{n_truncated} of {2 * len(train_pairs)} training texts were longer than "
-                    f"reward.max_length ({cfg.max_length}) and truncated")
+        record.warn(
+            f"{n_truncated} of {2 * len(train_pairs)} training texts were longer than "
+            f"reward.max_length ({cfg.max_length}) and truncated"
+        )
     if cfg.lora.enabled:
         from peft import get_peft_model
 
@@ -110,22 +120,27 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
     return RewardData(scorer, train_pairs, eval_pairs, Dataset.from_dict(encoded), n_truncated)
 
 
-def train(recipe: Recipe, data: RewardData, device: torch.device, record: StageRecord,
-          console: Console) -> tuple[Any, Any]:
+def train(
+    recipe: Recipe, data: RewardData, device: torch.device, record: StageRecord, console: Console
+) -> tuple[Any, Any]:
     """TRL's RewardTrainer over the pre-tokenised pairs; (its TrainOutput, the plain model)."""
     from trl import RewardConfig, RewardTrainer
 
     cfg = recipe.reward
-    kwargs = trainer_kwargs(cfg, device, resolve_dtype(cfg.dtype, device), record.dir,
-                            recipe.run.seed)
+    kwargs = trainer_kwargs(
+        cfg, device, resolve_dtype(cfg.dtype, device), record.dir, recipe.run.seed
+    )
     kwargs["eval_strategy"] = "no"  # held-out pairs are scored by `pairwise_eval` instead
     args = RewardConfig(**kwargs, max_length=cfg.max_length)
-    writer = MetricsWriter(record.dir / "metrics.jsonl", recipe.run.trackers,
-                           enabled=record.write)
+    writer = MetricsWriter(record.dir / "metrics.jsonl", recipe.run.trackers, enabled=record.write)
     progress = RichProgressCallback(console, writer, "train-rm")
-    trainer = RewardTrainer(model=data.scorer.model, args=args,
-                            processing_class=data.scorer.tokenizer, train_dataset=data.train_ds,
-                            callbacks=[progress])
+    trainer = RewardTrainer(
+        model=data.scorer.model,
+        args=args,
+        processing_class=data.scorer.tokenizer,
+        train_dataset=data.train_ds,
+        callbacks=[progress],
+    )
     drop_printer(trainer)
     try:
         result = trainer.train()
@@ -136,27 +151,39 @@ def train(recipe: Recipe, data: RewardData, device: torch.device, record: StageR
     return result, model
 
 
-def save(recipe: Recipe, record: StageRecord, data: RewardData,
-         evals: tuple[dict[str, float], dict[str, float]], result: Any) -> None:
+def save(
+    recipe: Recipe,
+    record: StageRecord,
+    data: RewardData,
+    evals: tuple[dict[str, float], dict[str, float]],
+    result: Any,
+) -> None:
     """The model and tokenizer (one from_pretrained folder), held-out results, the training
     prompts (for PPO's overlap warning) and the manifest."""
     cfg, (start, final) = recipe.reward, evals
     scorer, train_pairs, eval_pairs = data.scorer, data.train_pairs, data.eval_pairs
     scorer.model.save_pretrained(record.dir / "model")
     scorer.tokenizer.save_pretrained(record.dir / "model")
-    atomic_write_json(record.dir / "eval.json", {"before": start, "after": final,
-                                                 "eval_pairs": len(eval_pairs)})
-    atomic_write_json(record.dir / "train_prompts.json",
-                      sorted({p["prompt"] for p in train_pairs}))
-    record.manifest["outputs"] = {"model": "model", "tokenizer": "model", "eval": "eval.json",
-                                  "metrics": "metrics.jsonl",
-                                  "train_prompts": "train_prompts.json"}
+    atomic_write_json(
+        record.dir / "eval.json", {"before": start, "after": final, "eval_pairs": len(eval_pairs)}
+    )
+    atomic_write_json(record.dir / "train_prompts.json", sorted({p["prompt"] for p in train_pairs}))
+    record.manifest["outputs"] = {
+        "model": "model",
+        "tokenizer": "model",
+        "eval": "eval.json",
+        "metrics": "metrics.jsonl",
+        "train_prompts": "train_prompts.json",
+    }
     record.manifest["template"] = cfg.template
     record.manifest["max_length"] = cfg.max_length
     record.manifest["metrics"] = {
-        "eval_accuracy": final["accuracy"], "eval_margin": final["margin"],
-        "eval_accuracy_start": start["accuracy"], "train_loss": result.training_loss,
-        "steps": result.global_step, "train_pairs": len(train_pairs),
+        "eval_accuracy": final["accuracy"],
+        "eval_margin": final["margin"],
+        "eval_accuracy_start": start["accuracy"],
+        "train_loss": result.training_loss,
+        "steps": result.global_step,
+        "train_pairs": len(train_pairs),
         "eval_pairs": len(eval_pairs),
         "truncated_texts": data.n_truncated,
     }

@@ -25,8 +25,10 @@ def run_sft(recipe: Recipe, console: Console) -> dict[str, Any]:
     from accelerate import PartialState
 
     if not recipe.sft.enabled:
-        raise StageError("sft.enabled is false in this recipe: `rlhf ppo` starts from "
-                         f"model.name_or_path ({recipe.model.name_or_path}) directly")
+        raise StageError(
+            "sft.enabled is false in this recipe: `rlhf ppo` starts from "
+            f"model.name_or_path ({recipe.model.name_or_path}) directly"
+        )
     run = RunDir.for_recipe(recipe)
     is_main = PartialState().is_main_process
     seed_everything(recipe.run.seed)
@@ -49,8 +51,9 @@ def run_sft(recipe: Recipe, console: Console) -> dict[str, Any]:
     return record.manifest
 
 
-def setup(recipe: Recipe, run: RunDir, record: StageRecord,
-          console: Console) -> tuple[Any, MetricsWriter, RichProgressCallback, tuple[int, int]]:
+def setup(
+    recipe: Recipe, run: RunDir, record: StageRecord, console: Console
+) -> tuple[Any, MetricsWriter, RichProgressCallback, tuple[int, int]]:
     """TRL's SFTTrainer on a seeded train / held-out split, full weights for
     `sft.full_finetune`, else LoRA (on 4-bit weights when asked); its metrics writer and bar;
     the (train, held-out) row counts."""
@@ -61,26 +64,42 @@ def setup(recipe: Recipe, run: RunDir, record: StageRecord,
     chat = recipe.model.prompt_format == "chat"
     rows = load_sft(recipe.data.sft, chat=chat, cache_dir=run.path / ".cache")
     train_rows, eval_rows = split_eval(rows, recipe.data.sft.eval_fraction, recipe.run.seed)
-    tokenizer = load_tokenizer(recipe.model.tokenizer or recipe.model.name_or_path,
-                               recipe.model.trust_remote_code, padding_side="right")
+    tokenizer = load_tokenizer(
+        recipe.model.tokenizer or recipe.model.name_or_path,
+        recipe.model.trust_remote_code,
+        padding_side="right",
+    )
     model_cfg = recipe.model.variant(lora=False) if cfg.full_finetune else recipe.model
     model = load_causal_lm(recipe.model.name_or_path, model_cfg, device)
     dtype = resolve_dtype(recipe.model.dtype, device)
-    args = SFTConfig(**trainer_kwargs(cfg, device, dtype, record.dir, recipe.run.seed),
-                     max_length=cfg.max_length, warmup_steps=cfg.warmup_ratio,
-                     lr_scheduler_type="cosine")
-    writer = MetricsWriter(record.dir / "metrics.jsonl", recipe.run.trackers,
-                           enabled=record.write)
+    args = SFTConfig(
+        **trainer_kwargs(cfg, device, dtype, record.dir, recipe.run.seed),
+        max_length=cfg.max_length,
+        warmup_steps=cfg.warmup_ratio,
+        lr_scheduler_type="cosine",
+    )
+    writer = MetricsWriter(record.dir / "metrics.jsonl", recipe.run.trackers, enabled=record.write)
     progress = RichProgressCallback(console, writer, "sft")
-    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
-                         train_dataset=Dataset.from_list(train_rows),
-                         eval_dataset=Dataset.from_list(eval_rows), callbacks=[progress])
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_list(train_rows),
+        eval_dataset=Dataset.from_list(eval_rows),
+        callbacks=[progress],
+    )
     drop_printer(trainer)
     return trainer, writer, progress, (len(train_rows), len(eval_rows))
 
 
-def save(recipe: Recipe, record: StageRecord, trainer: Any, result: Any,
-         losses: tuple[float, float], n_rows: tuple[int, int]) -> None:
+def save(
+    recipe: Recipe,
+    record: StageRecord,
+    trainer: Any,
+    result: Any,
+    losses: tuple[float, float],
+    n_rows: tuple[int, int],
+) -> None:
     """The adapter or whole model, the tokenizer (left padding, as generation needs), and the
     manifest's outputs and metrics."""
     tokenizer = trainer.processing_class
@@ -88,12 +107,14 @@ def save(recipe: Recipe, record: StageRecord, trainer: Any, result: Any,
     tokenizer.save_pretrained(record.dir / "tokenizer")
     kind = "adapter" if recipe.model.lora.enabled and not recipe.sft.full_finetune else "model"
     trainer.model.save_pretrained(record.dir / kind)
-    record.manifest["outputs"] = {kind: kind, "tokenizer": "tokenizer",
-                                  "metrics": "metrics.jsonl"}
+    record.manifest["outputs"] = {kind: kind, "tokenizer": "tokenizer", "metrics": "metrics.jsonl"}
     record.manifest["base_model"] = recipe.model.name_or_path
     record.manifest["metrics"] = {
-        "eval_loss_start": losses[0], "eval_loss": losses[1],
-        "train_loss": result.training_loss, "steps": result.global_step,
-        "train_rows": n_rows[0], "eval_rows": n_rows[1],
+        "eval_loss_start": losses[0],
+        "eval_loss": losses[1],
+        "train_loss": result.training_loss,
+        "steps": result.global_step,
+        "train_rows": n_rows[0],
+        "eval_rows": n_rows[1],
         "train_runtime_s": result.metrics.get("train_runtime"),
     }

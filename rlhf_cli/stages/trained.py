@@ -30,8 +30,9 @@ from rlhf_cli.rundir import RunDir
 from rlhf_cli.scoring import RewardScorer
 
 
-def policy_source(recipe: Recipe, run: RunDir, inputs: dict[str, Any],
-                  needed_by: str = "rlhf ppo") -> tuple[str, Path | None, str]:
+def policy_source(
+    recipe: Recipe, run: RunDir, inputs: dict[str, Any], needed_by: str = "rlhf ppo"
+) -> tuple[str, Path | None, str]:
     """(base weights, SFT adapter to merge or None, tokenizer) the policy starts from; records
     the SFT stage in `inputs` when it is used."""
     if not recipe.sft.enabled:
@@ -45,8 +46,9 @@ def policy_source(recipe: Recipe, run: RunDir, inputs: dict[str, Any],
     return recipe.model.name_or_path, run.resolve_output("sft", manifest, "adapter"), tokenizer
 
 
-def reward_source(recipe: Recipe, run: RunDir, inputs: dict[str, Any],
-                  needed_by: str = "rlhf ppo") -> tuple[str, str]:
+def reward_source(
+    recipe: Recipe, run: RunDir, inputs: dict[str, Any], needed_by: str = "rlhf ppo"
+) -> tuple[str, str]:
     """(reward model, reward tokenizer): the recipe's frozen model or the train-rm output."""
     if recipe.reward.pretrained is not None:
         name = recipe.reward.pretrained
@@ -84,9 +86,13 @@ def _kind(folder: Path) -> str:
     raise StageError(f"{folder} is not a PPO run, checkpoint, adapter or model folder")
 
 
-def load_trained_policy(recipe: Recipe, run: RunDir, device: torch.device,
-                        source: Path | None = None,
-                        model_cfg: ModelSection | None = None) -> TrainedPolicy:
+def load_trained_policy(
+    recipe: Recipe,
+    run: RunDir,
+    device: torch.device,
+    source: Path | None = None,
+    model_cfg: ModelSection | None = None,
+) -> TrainedPolicy:
     """The policy at `source` (default: the run's final PPO policy), dropout off, frozen."""
     from peft import PeftModel, get_peft_model
 
@@ -108,8 +114,9 @@ def load_trained_policy(recipe: Recipe, run: RunDir, device: torch.device,
     tokenizer = load_tokenizer(tok_source, model_cfg.trust_remote_code, "left")
     label = folder.name if kind == "checkpoint" else run.name
     if kind == "model":
-        model = load_causal_lm(str(folder), model_cfg.variant(lora=False, load_in_4bit=False),
-                               device, trainable=False)
+        model = load_causal_lm(
+            str(folder), model_cfg.variant(lora=False, load_in_4bit=False), device, trainable=False
+        )
         reference_model = load_sft_model(model_cfg, base, sft_adapter, device)
         return TrainedPolicy(model, Reference(model, reference_model), tokenizer, label)
     sft_model = load_sft_model(model_cfg, base, sft_adapter, device)
@@ -119,8 +126,10 @@ def load_trained_policy(recipe: Recipe, run: RunDir, device: torch.device,
         from safetensors.torch import load_file
 
         if not model_cfg.lora.enabled:
-            raise StageError(f"{folder}: auditing checkpoints of full-weight PPO runs is not "
-                             "supported; audit the final policy instead")
+            raise StageError(
+                f"{folder}: auditing checkpoints of full-weight PPO runs is not "
+                "supported; audit the final policy instead"
+            )
         model = get_peft_model(sft_model, lora_config(model_cfg.lora, "CAUSAL_LM", no_dropout=True))
         missing = model.load_state_dict(load_file(folder / "policy.safetensors"), strict=False)
         if missing.unexpected_keys:
@@ -135,10 +144,14 @@ def load_scorer(recipe: Recipe, run: RunDir, device: torch.device) -> RewardScor
         path, tok = reward_source(recipe, run, {}, "this command")
     except StageError:
         return None
-    model = freeze(load_reward_model(path, device, recipe.reward.dtype,
-                                     recipe.reward.trust_remote_code))
+    model = freeze(
+        load_reward_model(path, device, recipe.reward.dtype, recipe.reward.trust_remote_code)
+    )
     set_dropout(model, 0.0)
-    return RewardScorer(model, load_tokenizer(tok, recipe.reward.trust_remote_code,
-                                                     "right"),
-                        recipe.reward.template, recipe.reward.max_length,
-                        recipe.reward.score_batch_size)
+    return RewardScorer(
+        model,
+        load_tokenizer(tok, recipe.reward.trust_remote_code, "right"),
+        recipe.reward.template,
+        recipe.reward.max_length,
+        recipe.reward.score_batch_size,
+    )

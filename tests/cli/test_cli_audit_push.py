@@ -18,8 +18,15 @@ from rlhf_cli.cli import app
 from rlhf_cli.recipe import load_recipe
 from rlhf_cli.rundir import RunDir
 
-REPORT_KEYS = {"verbosity_score", "sycophancy_score", "repetition_score", "avg_response_len",
-               "n_responses", "hacking_detected", "flags"}
+REPORT_KEYS = {
+    "verbosity_score",
+    "sycophancy_score",
+    "repetition_score",
+    "avg_response_len",
+    "n_responses",
+    "hacking_detected",
+    "flags",
+}
 CANARY = "hf_canary_cli_0123456789abcdefXYZ"
 
 
@@ -28,8 +35,9 @@ def invoke(*args: str):
 
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows),
-                    encoding="utf-8")
+    path.write_text(
+        "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8"
+    )
     return path
 
 
@@ -44,12 +52,20 @@ def assert_one_line_error(result, *needles: str) -> None:
 
 # ── audit --responses ─────────────────────────────────────────────────────────────────────────
 
-CLEAN = [{"prompt": "How do I keep flowers fresh?", "response": "Trim the stems and change the "
-          "water every day."},
-         {"prompt": "How do I clean glasses?", "response": "Use warm water, dish soap and a "
-          "microfibre cloth."}]
-HACKED = [{"prompt": "How do I keep flowers fresh?", "response": "Great question! Trim them."},
-          {"prompt": "How do I clean glasses?", "response": "Absolutely right to ask! Rinse."}]
+CLEAN = [
+    {
+        "prompt": "How do I keep flowers fresh?",
+        "response": "Trim the stems and change the water every day.",
+    },
+    {
+        "prompt": "How do I clean glasses?",
+        "response": "Use warm water, dish soap and a microfibre cloth.",
+    },
+]
+HACKED = [
+    {"prompt": "How do I keep flowers fresh?", "response": "Great question! Trim them."},
+    {"prompt": "How do I clean glasses?", "response": "Absolutely right to ask! Rinse."},
+]
 
 
 def test_audit_responses_clean_exits_0_and_saves_the_report(make_recipe, chdir_tmp) -> None:
@@ -71,8 +87,9 @@ def test_audit_responses_clean_exits_0_and_saves_the_report(make_recipe, chdir_t
 
 def test_audit_responses_hacking_exits_1(make_recipe, chdir_tmp) -> None:
     responses = write_jsonl(chdir_tmp / "hacked.jsonl", HACKED)
-    result = invoke("audit", "--responses", str(responses), "--recipe", str(make_recipe()),
-                    "--json")
+    result = invoke(
+        "audit", "--responses", str(responses), "--recipe", str(make_recipe()), "--json"
+    )
     assert result.exit_code == 1, result.output
     report = json.loads(result.stdout)
     assert report["sycophancy_score"] == 1.0
@@ -83,21 +100,31 @@ def test_audit_responses_hacking_exits_1(make_recipe, chdir_tmp) -> None:
 
 
 def test_audit_responses_missing_file_exits_2(make_recipe, chdir_tmp) -> None:
-    result = invoke("audit", "--responses", str(chdir_tmp / "nope.jsonl"), "--recipe",
-                    str(make_recipe()), "--json")
+    result = invoke(
+        "audit",
+        "--responses",
+        str(chdir_tmp / "nope.jsonl"),
+        "--recipe",
+        str(make_recipe()),
+        "--json",
+    )
     assert_one_line_error(result, "file not found", "nope.jsonl")
 
 
-@pytest.mark.parametrize(("rows", "needle"), [
-    ([CLEAN[0], {"prompt": "no answer here"}], "hacked.jsonl:2: a row needs"),
-    ([CLEAN[0], "this is { not json"], "hacked.jsonl:2: not a JSON object"),
-    ([json.dumps(["a", "list"])], "hacked.jsonl:1: a row needs"),
-    ([], "no responses"),
-])
+@pytest.mark.parametrize(
+    ("rows", "needle"),
+    [
+        ([CLEAN[0], {"prompt": "no answer here"}], "hacked.jsonl:2: a row needs"),
+        ([CLEAN[0], "this is { not json"], "hacked.jsonl:2: not a JSON object"),
+        ([json.dumps(["a", "list"])], "hacked.jsonl:1: a row needs"),
+        ([], "no responses"),
+    ],
+)
 def test_audit_responses_bad_rows_exit_2(make_recipe, chdir_tmp, rows, needle) -> None:
     responses = write_jsonl(chdir_tmp / "hacked.jsonl", rows)
-    result = invoke("audit", "--responses", str(responses), "--recipe", str(make_recipe()),
-                    "--json")
+    result = invoke(
+        "audit", "--responses", str(responses), "--recipe", str(make_recipe()), "--json"
+    )
     assert_one_line_error(result, needle)
     assert not (chdir_tmp / "runs" / "tiny" / "audit" / "hacked.json").exists()
 
@@ -123,9 +150,11 @@ def merged_run(make_recipe, chdir_tmp) -> tuple[Path, RunDir]:
     model.mkdir(parents=True)
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"placeholder")
-    run.manifest_path("merged").write_text(json.dumps(
-        {"stage": "merged", "status": "completed", "outputs": {"model": "model"},
-         "metrics": {}}))
+    run.manifest_path("merged").write_text(
+        json.dumps(
+            {"stage": "merged", "status": "completed", "outputs": {"model": "model"}, "metrics": {}}
+        )
+    )
     return path, run
 
 
@@ -135,8 +164,9 @@ def no_saved_login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH",
-                        str(tmp_path / "no-login" / "token"))
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token")
+    )
 
 
 def test_push_without_a_token_exits_2_naming_hf_token(merged_run, no_saved_login) -> None:
@@ -155,8 +185,10 @@ def test_push_hub_error_exits_2_with_the_token_redacted(merged_run, monkeypatch)
     monkeypatch.setenv("HF_TOKEN", CANARY)
 
     def refusing_create_repo(self, repo_id, **kwargs):
-        raise RuntimeError(f"401 Client Error: invalid token {CANARY} for {repo_id}\n"
-                           f"Authorization: Bearer {CANARY}")
+        raise RuntimeError(
+            f"401 Client Error: invalid token {CANARY} for {repo_id}\n"
+            f"Authorization: Bearer {CANARY}"
+        )
 
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", refusing_create_repo)
     result = invoke("push", "--recipe", str(path))

@@ -1,4 +1,5 @@
-"""The shipped recipes validate, and mistral7b.yaml carries the guide's settings exactly."""
+"""`rlhf validate`: the shipped recipes validate, mistral7b.yaml carries the guide's settings
+exactly, and without --recipe the latest run's snapshot or the embedded default is used."""
 
 import json
 from pathlib import Path
@@ -7,6 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rlhf_cli.cli import app
+from rlhf_cli.recipe import load_recipe
+from rlhf_cli.rundir import RunDir
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -20,29 +23,62 @@ def validate_json(name: str) -> dict:
 def test_mistral7b_has_the_guides_values():
     r = validate_json("mistral7b.yaml")
     assert r["model"]["name_or_path"] == "mistralai/Mistral-7B-Instruct-v0.2"
-    assert r["model"]["quantization"] == {"load_in_4bit": True, "quant_type": "nf4",
-                                          "double_quant": True, "compute_dtype": "bfloat16"}
+    assert r["model"]["quantization"] == {
+        "load_in_4bit": True,
+        "quant_type": "nf4",
+        "double_quant": True,
+        "compute_dtype": "bfloat16",
+    }
     lora = r["model"]["lora"]
     assert (lora["enabled"], lora["r"], lora["alpha"], lora["dropout"]) == (True, 16, 32, 0.05)
-    assert lora["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                      "up_proj", "down_proj"]
+    assert lora["target_modules"] == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
     reward = r["reward"]
     assert reward["pretrained"] == "OpenAssistant/reward-model-deberta-v3-large-v2"
     assert reward["template"] == "Human: {prompt}\n\nAssistant: {response}"
     assert reward["max_length"] == 512
     prompts = r["data"]["prompts"]
     assert (prompts["path"], prompts["split"], prompts["max_samples"]) == (
-        "Anthropic/hh-rlhf", "train", 3000)
+        "Anthropic/hh-rlhf",
+        "train",
+        3000,
+    )
     assert (prompts["min_words"], prompts["max_chars"], prompts["max_tokens"]) == (6, 512, 256)
     ppo = r["ppo"]
-    expected = {"learning_rate": 1.4e-5, "batch_size": 32, "mini_batch_size": 4, "ppo_epochs": 4,
-                "gradient_accumulation_steps": 2, "init_kl_coef": 0.2, "target_kl": 6.0,
-                "horizon": 10000, "gamma": 1.0, "lam": 0.95, "vf_coef": 0.1, "cliprange": 0.2,
-                "cliprange_value": 0.2, "max_grad_norm": 0.5, "adaptive_kl": True,
-                "iterations": 500, "save_freq": 50}
+    expected = {
+        "learning_rate": 1.4e-5,
+        "batch_size": 32,
+        "mini_batch_size": 4,
+        "ppo_epochs": 4,
+        "gradient_accumulation_steps": 2,
+        "init_kl_coef": 0.2,
+        "target_kl": 6.0,
+        "horizon": 10000,
+        "gamma": 1.0,
+        "lam": 0.95,
+        "vf_coef": 0.1,
+        "cliprange": 0.2,
+        "cliprange_value": 0.2,
+        "max_grad_norm": 0.5,
+        "adaptive_kl": True,
+        "iterations": 500,
+        "save_freq": 50,
+    }
     assert {k: ppo[k] for k in expected} == expected
-    assert ppo["generation"] == {"max_new_tokens": 200, "temperature": 0.8, "top_p": 0.9,
-                                 "top_k": 0, "do_sample": True}
+    assert ppo["generation"] == {
+        "max_new_tokens": 200,
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "top_k": 0,
+        "do_sample": True,
+    }
 
 
 @pytest.mark.parametrize("name", ["tiny.yaml", "qwen2.5-0.5b.yaml"])
@@ -55,8 +91,31 @@ def test_every_stage_is_a_command():
 
     out = CliRunner().invoke(app, ["--help"]).output
     listed = set(re.findall(r"^│ ([a-z-]+) ", out, re.M))
-    assert {"sft", "train-rm", "ppo", "audit", "merge", "push", "validate", "report",
-            "compare"} <= listed, out
+    assert {
+        "sft",
+        "train-rm",
+        "ppo",
+        "audit",
+        "merge",
+        "push",
+        "validate",
+        "report",
+        "compare",
+    } <= listed, out
     for command in sorted(listed):
         result = CliRunner().invoke(app, [command, "--help"])
         assert result.exit_code == 0 and "Usage" in result.output, command
+
+
+def test_validate_without_recipe_uses_the_latest_run(make_recipe, tmp_path: Path) -> None:
+    recipe = load_recipe(make_recipe({"run": {"name": "picked"}}))
+    RunDir.for_recipe(recipe).prepare(recipe)
+    result = CliRunner().invoke(app, ["validate", "--json", "--runs-dir", str(tmp_path / "runs")])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["run"]["name"] == "picked"
+
+
+def test_validate_without_recipe_or_runs_uses_the_embedded_default(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["validate", "--json", "--runs-dir", str(tmp_path / "none")])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["model"]["name_or_path"] == "builtin:tiny-lm"

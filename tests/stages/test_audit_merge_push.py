@@ -38,8 +38,15 @@ CANARY = "hf_canary_stage_9f8e7d6c5b4a3210QRS"
 SMALL: dict[str, Any] = {
     "sft": {"epochs": 1},
     "data": {"sft": {"max_samples": 64}, "preferences": {"max_samples": 48}},
-    "ppo": {"iterations": 4, "batch_size": 8, "mini_batch_size": 8, "ppo_epochs": 1,
-            "save_freq": 4, "log_every": 4, "generation": {"max_new_tokens": 12}},
+    "ppo": {
+        "iterations": 4,
+        "batch_size": 8,
+        "mini_batch_size": 8,
+        "ppo_epochs": 1,
+        "save_freq": 4,
+        "log_every": 4,
+        "generation": {"max_new_tokens": 12},
+    },
     "audit": {"samples": 1, "generation": {"max_new_tokens": 12}},
     "push": {"repo_id": REPO_ID, "private": False, "commit_message": COMMIT},
 }
@@ -82,11 +89,15 @@ def merged(trained: Trained) -> dict[str, Any]:
     return run_merge(trained.recipe, QUIET)
 
 
-def copy_runs(trained: Trained, tmp_path: Path, small_recipe: Callable[..., Path],
-              updates: dict[str, Any]) -> Recipe:
+def copy_runs(
+    trained: Trained, tmp_path: Path, small_recipe: Callable[..., Path], updates: dict[str, Any]
+) -> Recipe:
     """The trained run (without its merge or checkpoints) in tmp_path, with a changed recipe."""
-    shutil.copytree(trained.folder / "runs", tmp_path / "runs",
-                    ignore=shutil.ignore_patterns("merged", "checkpoints"))
+    shutil.copytree(
+        trained.folder / "runs",
+        tmp_path / "runs",
+        ignore=shutil.ignore_patterns("merged", "checkpoints"),
+    )
     merged_updates = copy.deepcopy(SMALL)
     for section, values in updates.items():
         merged_updates.setdefault(section, {}).update(values)
@@ -131,14 +142,14 @@ def test_in_training_audit_logs_rates_and_raises_beta(trained: Trained) -> None:
     # The adaptive controller alone moves β by a factor 1 ± 0.2·8/10000 per iteration;
     # a flagged audit adds audit.kl_coef_step (0.05) on top, before the next iteration.
     step = trained.recipe.audit.kl_coef_step
-    beta = [r["objective/kl_coef"] for r in rows] + [trained.ppo_manifest["metrics"]
-                                                     ["kl_coef_now"]]
+    beta = [r["objective/kl_coef"] for r in rows] + [trained.ppo_manifest["metrics"]["kl_coef_now"]]
     for before, after in ((0, 1), (2, 3)):  # no audit in between
         assert abs(beta[after] - beta[before]) < 1e-3 * beta[before]
     for before, after in ((1, 2), (3, 4)):  # after the audits of iterations 2 and 4
         assert beta[after] == pytest.approx(beta[before] + step, abs=1e-3 * beta[before])
-    assert any("iteration 2: the audit flagged verbosity" in w
-               for w in trained.ppo_manifest["warnings"])
+    assert any(
+        "iteration 2: the audit flagged verbosity" in w for w in trained.ppo_manifest["warnings"]
+    )
 
 
 # ── merge ─────────────────────────────────────────────────────────────────────────────────────
@@ -157,8 +168,9 @@ def test_merged_model_reproduces_the_adapter_model(trained: Trained, merged) -> 
 
     sft_model = run.resolve_output("sft", run.read_manifest("sft"), "model")
     adapter = run.resolve_output("ppo", trained.ppo_manifest, "adapter")
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sft_model),
-                                          str(adapter)).eval()
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(sft_model), str(adapter)
+    ).eval()
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     assert not any("lora_" in name for name, _ in model.named_parameters())
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -183,8 +195,12 @@ def test_merge_sft_of_a_lora_sft_run(small_recipe, tmp_path: Path) -> None:
     from rlhf_cli.stages.merge import run_merge
     from rlhf_cli.stages.sft import run_sft
 
-    recipe = load_recipe(small_recipe(tmp_path, {
-        "sft": {"full_finetune": False, "epochs": 1}, "data": {"sft": {"max_samples": 32}}}))
+    recipe = load_recipe(
+        small_recipe(
+            tmp_path,
+            {"sft": {"full_finetune": False, "epochs": 1}, "data": {"sft": {"max_samples": 32}}},
+        )
+    )
     run_sft(recipe, QUIET)
     manifest = run_merge(recipe, QUIET, stage="sft")
     assert manifest["status"] == "completed"
@@ -195,8 +211,9 @@ def test_merge_sft_of_a_lora_sft_run(small_recipe, tmp_path: Path) -> None:
     assert not any("lora_" in name for name, _ in model.named_parameters())
 
 
-def test_merge_mismatch_saves_nothing(trained: Trained, tmp_path, small_recipe,
-                                      monkeypatch) -> None:
+def test_merge_mismatch_saves_nothing(
+    trained: Trained, tmp_path, small_recipe, monkeypatch
+) -> None:
     """A merge that changes the model (here: one weight nudged after the real merge) is caught
     by the logit check; merge.atol is tiny so even float noise alone would be refused."""
     from peft import LoraModel
@@ -240,8 +257,9 @@ def hub(monkeypatch) -> dict[str, list[dict[str, Any]]]:
 
     def upload_folder(self, **kwargs):
         folder = Path(kwargs["folder_path"])
-        calls["upload_folder"].append({**kwargs, "token": self.token,
-                                       "readme": (folder / "README.md").read_text()})
+        calls["upload_folder"].append(
+            {**kwargs, "token": self.token, "readme": (folder / "README.md").read_text()}
+        )
         return SimpleNamespace(commit_url=f"https://huggingface.co/{kwargs['repo_id']}/commit/1")
 
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
@@ -249,8 +267,9 @@ def hub(monkeypatch) -> dict[str, list[dict[str, Any]]]:
     return calls
 
 
-def test_push_dry_run_lists_files_and_uploads_nothing(trained: Trained, merged, hub,
-                                                      monkeypatch) -> None:
+def test_push_dry_run_lists_files_and_uploads_nothing(
+    trained: Trained, merged, hub, monkeypatch
+) -> None:
     monkeypatch.delenv("HF_TOKEN", raising=False)  # a dry run needs no token
     pushed_before = trained.run.read_manifest("push")
     result = invoke("push", "--dry-run", "--json", "--recipe", str(trained.recipe_path))
@@ -264,8 +283,9 @@ def test_push_dry_run_lists_files_and_uploads_nothing(trained: Trained, merged, 
     assert trained.run.read_manifest("push") == pushed_before
 
 
-def test_push_uploads_the_merged_folder_and_never_writes_the_token(trained: Trained, merged, hub,
-                                                                   monkeypatch) -> None:
+def test_push_uploads_the_merged_folder_and_never_writes_the_token(
+    trained: Trained, merged, hub, monkeypatch
+) -> None:
     monkeypatch.setenv("HF_TOKEN", CANARY)
     result = invoke("push", "--recipe", str(trained.recipe_path))
     assert result.exit_code == 0, result.output
@@ -297,8 +317,9 @@ def test_push_uploads_the_merged_folder_and_never_writes_the_token(trained: Trai
         assert CANARY.encode() not in file.read_bytes(), file
 
 
-def test_push_adapter_only_sends_the_ppo_adapter(trained: Trained, merged, hub,
-                                                 monkeypatch) -> None:
+def test_push_adapter_only_sends_the_ppo_adapter(
+    trained: Trained, merged, hub, monkeypatch
+) -> None:
     monkeypatch.setenv("HF_TOKEN", CANARY)
     result = invoke("push", "--adapter-only", "--json", "--recipe", str(trained.recipe_path))
     assert result.exit_code == 0, result.output
@@ -331,8 +352,16 @@ def test_report_of_the_latest_run_writes_a_png_and_html(trained: Trained, monkey
 
 def test_compare_json_rows(trained: Trained) -> None:
     prompts = ["How do I keep bread from going stale?", "What is a good way to water plants?"]
-    result = invoke("compare", "--json", "--recipe", str(trained.recipe_path),
-                    "--prompt", prompts[0], "--prompt", prompts[1])
+    result = invoke(
+        "compare",
+        "--json",
+        "--recipe",
+        str(trained.recipe_path),
+        "--prompt",
+        prompts[0],
+        "--prompt",
+        prompts[1],
+    )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert [r["prompt"] for r in rows] == prompts
@@ -340,3 +369,15 @@ def test_compare_json_rows(trained: Trained) -> None:
         assert {"prompt", "sft", "ppo", "sft_score", "ppo_score"} <= set(row)
         assert isinstance(row["sft"], str) and isinstance(row["ppo"], str)
         assert math.isfinite(row["sft_score"]) and math.isfinite(row["ppo_score"])
+
+
+def test_compare_twice_prints_identical_json(trained: Trained) -> None:
+    """Seeded from run.seed like the audit: sampled answers repeat call after call, whatever
+    the process's RNG did before."""
+    args = ("compare", "--json", "--recipe", str(trained.recipe_path))
+    first = invoke(*args)
+    torch.manual_seed(12345)  # another draw in between must not matter
+    torch.rand(7)
+    second = invoke(*args)
+    assert first.exit_code == second.exit_code == 0, first.output + second.output
+    assert first.stdout == second.stdout

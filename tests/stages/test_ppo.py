@@ -26,13 +26,34 @@ from rlhf_cli.tracking import MetricsWriter, read_metrics
 
 pytestmark = pytest.mark.slow
 QUIET = Console(stderr=True, quiet=True)
-PPO_SMALL = {"iterations": 8, "batch_size": 16, "mini_batch_size": 8, "ppo_epochs": 2,
-             "save_freq": 4, "log_every": 4, "generation": {"max_new_tokens": 16}}
-REQUIRED_KEYS = ["env/reward_mean", "env/reward_std", "objective/kl", "objective/kl_coef",
-                 "objective/entropy", "objective/clipfrac", "ppo/loss/policy", "ppo/loss/value",
-                 "ppo/loss/total", "ppo/policy/approxkl", "ppo/val/explained_variance",
-                 "response/length_mean", "time/rollout_s", "time/score_s", "time/update_s",
-                 "time/iteration_s", "tokens/generated_per_s"]
+PPO_SMALL = {
+    "iterations": 8,
+    "batch_size": 16,
+    "mini_batch_size": 8,
+    "ppo_epochs": 2,
+    "save_freq": 4,
+    "log_every": 4,
+    "generation": {"max_new_tokens": 16},
+}
+REQUIRED_KEYS = [
+    "env/reward_mean",
+    "env/reward_std",
+    "objective/kl",
+    "objective/kl_coef",
+    "objective/entropy",
+    "objective/clipfrac",
+    "ppo/loss/policy",
+    "ppo/loss/value",
+    "ppo/loss/total",
+    "ppo/policy/approxkl",
+    "ppo/val/explained_variance",
+    "response/length_mean",
+    "time/rollout_s",
+    "time/score_s",
+    "time/update_s",
+    "time/iteration_s",
+    "tokens/generated_per_s",
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +69,9 @@ def pipeline(small_recipe: Callable[..., Path], tmp_path_factory) -> Path:
     return folder
 
 
-def ppo_recipe(pipeline: Path, tmp_path: Path, small_recipe: Callable[..., Path],
-               ppo: dict[str, Any]) -> Recipe:
+def ppo_recipe(
+    pipeline: Path, tmp_path: Path, small_recipe: Callable[..., Path], ppo: dict[str, Any]
+) -> Recipe:
     shutil.copytree(pipeline / "runs", tmp_path / "runs")
     return load_recipe(small_recipe(tmp_path, {"sft": {"epochs": 6}, "ppo": ppo}))
 
@@ -57,9 +79,19 @@ def ppo_recipe(pipeline: Path, tmp_path: Path, small_recipe: Callable[..., Path]
 def test_ppo_learns_and_writes_the_contract(pipeline, tmp_path, small_recipe):
     from rlhf_cli.stages.ppo import run_ppo
 
-    recipe = ppo_recipe(pipeline, tmp_path, small_recipe,
-                        {"iterations": 25, "batch_size": 32, "mini_batch_size": 8,
-                         "ppo_epochs": 4, "save_freq": 25, "log_every": 5})
+    recipe = ppo_recipe(
+        pipeline,
+        tmp_path,
+        small_recipe,
+        {
+            "iterations": 25,
+            "batch_size": 32,
+            "mini_batch_size": 8,
+            "ppo_epochs": 4,
+            "save_freq": 25,
+            "log_every": 5,
+        },
+    )
     manifest = run_ppo(recipe, QUIET)
     run = RunDir.for_recipe(recipe)
     rows = read_metrics(run.stage_dir("ppo") / "metrics.jsonl")
@@ -91,13 +123,18 @@ def test_frozen_models_get_no_gradients(pipeline, tmp_path, small_recipe, monkey
 
     def spying_train(ctx, start):
         actor = ctx.unwrapped
-        seen["base"] = {n: p.detach().clone() for n, p in actor.policy.named_parameters()
-                        if "lora_" not in n}
-        seen["lora"] = {n: p.detach().clone() for n, p in actor.policy.named_parameters()
-                        if "lora_" in n}
+        seen["base"] = {
+            n: p.detach().clone() for n, p in actor.policy.named_parameters() if "lora_" not in n
+        }
+        seen["lora"] = {
+            n: p.detach().clone() for n, p in actor.policy.named_parameters() if "lora_" in n
+        }
         seen["rm"] = {n: p.detach().clone() for n, p in ctx.scorer.model.named_parameters()}
-        seen["dropout"] = [m.p for m in list(actor.modules()) + list(ctx.scorer.model.modules())
-                           if isinstance(m, torch.nn.Dropout)]
+        seen["dropout"] = [
+            m.p
+            for m in list(actor.modules()) + list(ctx.scorer.model.modules())
+            if isinstance(m, torch.nn.Dropout)
+        ]
         summary = real_train(ctx, start)
         seen["ctx"] = ctx
         return summary
@@ -112,8 +149,11 @@ def test_frozen_models_get_no_gradients(pipeline, tmp_path, small_recipe, monkey
             continue
         assert not param.requires_grad and param.grad is None, name
         assert torch.equal(param, seen["base"][name]), name
-    assert any(not torch.equal(p, seen["lora"][n]) for n, p in actor.policy.named_parameters()
-               if "lora_" in n)
+    assert any(
+        not torch.equal(p, seen["lora"][n])
+        for n, p in actor.policy.named_parameters()
+        if "lora_" in n
+    )
     assert torch.count_nonzero(actor.value_head.weight) > 0  # started at zero, trained
     for name, param in seen["ctx"].scorer.model.named_parameters():
         assert not param.requires_grad and param.grad is None
@@ -124,8 +164,7 @@ def _losses(run: RunDir) -> list[float]:
     return [r["ppo/loss/total"] for r in read_metrics(run.stage_dir("ppo") / "metrics.jsonl")]
 
 
-def test_interrupt_checkpoints_and_resume_reproduces(pipeline, tmp_path, small_recipe,
-                                                     monkeypatch):
+def test_interrupt_checkpoints_and_resume_reproduces(pipeline, tmp_path, small_recipe, monkeypatch):
     from rlhf_cli.stages.ppo import run_ppo
 
     recipe = ppo_recipe(pipeline, tmp_path, small_recipe, PPO_SMALL)
@@ -178,8 +217,15 @@ def test_missing_sft_names_the_command(tmp_path, small_recipe):
 
 def _rlhf(args: list[str], cwd: Path, **kw: Any) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "rlhf_cli.cli", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlhf_cli.cli", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
@@ -202,9 +248,21 @@ def test_cli_ctrl_c_exits_130_with_a_checkpoint(pipeline, tmp_path, small_recipe
 def test_two_processes_log_one_line_per_iteration(pipeline, tmp_path, small_recipe):
     recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 3})
     run = RunDir.for_recipe(recipe)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(29500 + os.getpid() % 1000), "-m", "rlhf_cli.cli", "ppo",
-           "--recipe", str(tmp_path / "recipe.yaml"), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(29500 + os.getpid() % 1000),
+        "-m",
+        "rlhf_cli.cli",
+        "ppo",
+        "--recipe",
+        str(tmp_path / "recipe.yaml"),
+        "--quiet",
+    ]
     for _attempt in range(2):  # torchrun rarely reports a failure after both ranks finished
         done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
         manifest = run.read_manifest("ppo")
@@ -219,24 +277,41 @@ def test_two_processes_log_one_line_per_iteration(pipeline, tmp_path, small_reci
 def test_separate_critic_from_the_policy_and_4bit_policy(pipeline, tmp_path, small_recipe):
     from rlhf_cli.stages.ppo import run_ppo
 
-    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {
-        **PPO_SMALL, "iterations": 2, "value_model": "separate", "value_init": "policy"})
-    recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={
-        "quantization": recipe.model.quantization.model_copy(
-            update={"load_in_4bit": True, "compute_dtype": "float32"})})})
+    recipe = ppo_recipe(
+        pipeline,
+        tmp_path,
+        small_recipe,
+        {**PPO_SMALL, "iterations": 2, "value_model": "separate", "value_init": "policy"},
+    )
+    recipe = recipe.model_copy(
+        update={
+            "model": recipe.model.model_copy(
+                update={
+                    "quantization": recipe.model.quantization.model_copy(
+                        update={"load_in_4bit": True, "compute_dtype": "float32"}
+                    )
+                }
+            )
+        }
+    )
     manifest = run_ppo(recipe, QUIET)
     assert manifest["status"] == "completed"
     rows = read_metrics(RunDir.for_recipe(recipe).stage_dir("ppo") / "metrics.jsonl")
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["ppo/loss/value"])) for r in rows)
 
 
-def test_critic_from_a_reward_model_with_another_tokenizer_is_refused(pipeline, tmp_path,
-                                                                      small_recipe):
+def test_critic_from_a_reward_model_with_another_tokenizer_is_refused(
+    pipeline, tmp_path, small_recipe
+):
     from rlhf_cli.errors import ModelLoadError
     from rlhf_cli.stages.ppo import run_ppo
 
-    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {
-        **PPO_SMALL, "value_model": "separate", "value_init": "reward_model"})
+    recipe = ppo_recipe(
+        pipeline,
+        tmp_path,
+        small_recipe,
+        {**PPO_SMALL, "value_model": "separate", "value_init": "reward_model"},
+    )
     with pytest.raises(ModelLoadError, match="shares the policy's tokenizer"):
         run_ppo(recipe, QUIET)
 
@@ -248,11 +323,22 @@ def test_critic_initialised_from_a_same_tokenizer_reward_model(tmp_path, small_r
     from rlhf_cli.stages.reward import run_train_rm
     from rlhf_cli.stages.sft import run_sft
 
-    recipe = load_recipe(small_recipe(tmp_path, {
-        "sft": {"epochs": 1}, "data": {"preferences": {"max_samples": 60}},
-        "reward": {"base_model": "builtin:tiny-lm", "learning_rate": 1e-3},
-        "ppo": {**PPO_SMALL, "iterations": 1, "value_model": "separate",
-                "value_init": "reward_model"}}))
+    recipe = load_recipe(
+        small_recipe(
+            tmp_path,
+            {
+                "sft": {"epochs": 1},
+                "data": {"preferences": {"max_samples": 60}},
+                "reward": {"base_model": "builtin:tiny-lm", "learning_rate": 1e-3},
+                "ppo": {
+                    **PPO_SMALL,
+                    "iterations": 1,
+                    "value_model": "separate",
+                    "value_init": "reward_model",
+                },
+            },
+        )
+    )
     run_sft(recipe, QUIET)
     run_train_rm(recipe, QUIET)
     manifest = run_ppo(recipe, QUIET)
@@ -261,8 +347,9 @@ def test_critic_initialised_from_a_same_tokenizer_reward_model(tmp_path, small_r
     assert rows[0]["ppo/val/mean"] != 0.0  # not a zero head: it starts from the reward head
 
 
-def test_full_disk_while_checkpointing_keeps_the_previous_one(pipeline, tmp_path, small_recipe,
-                                                              monkeypatch):
+def test_full_disk_while_checkpointing_keeps_the_previous_one(
+    pipeline, tmp_path, small_recipe, monkeypatch
+):
     import errno
 
     from rlhf_cli.errors import CheckpointWriteError
@@ -288,8 +375,7 @@ def test_full_disk_while_checkpointing_keeps_the_previous_one(pipeline, tmp_path
     assert manifest["status"] == "failed" and "CheckpointWriteError" in manifest["error"]
 
 
-def test_non_finite_rewards_skip_updates_then_stop(pipeline, tmp_path, small_recipe,
-                                                   monkeypatch):
+def test_non_finite_rewards_skip_updates_then_stop(pipeline, tmp_path, small_recipe, monkeypatch):
     from rlhf_cli.errors import NonFiniteError
     from rlhf_cli.scoring import RewardScorer
     from rlhf_cli.stages.ppo import run_ppo
@@ -312,8 +398,9 @@ def test_non_finite_rewards_skip_updates_then_stop(pipeline, tmp_path, small_rec
     assert (run.stage_dir("ppo") / "checkpoints" / "iter_00003" / "checkpoint.json").is_file()
 
 
-def test_ppo_after_a_lora_sft_uses_the_merged_sft_model_as_reference(pipeline, tmp_path,
-                                                                     small_recipe):
+def test_ppo_after_a_lora_sft_uses_the_merged_sft_model_as_reference(
+    pipeline, tmp_path, small_recipe
+):
     """SFT trained an adapter: PPO merges it into the base (the reference is the SFT model, not
     the raw base) and trains a fresh PPO adapter on top."""
     from rlhf_cli.modeling import load_sft_model
@@ -322,9 +409,16 @@ def test_ppo_after_a_lora_sft_uses_the_merged_sft_model_as_reference(pipeline, t
     from rlhf_cli.stages.trained import policy_source
 
     shutil.copytree(pipeline / "runs", tmp_path / "runs")
-    recipe = load_recipe(small_recipe(tmp_path, {
-        "sft": {"full_finetune": False, "epochs": 1, "learning_rate": 5e-3},
-        "data": {"sft": {"max_samples": 64}}, "ppo": {**PPO_SMALL, "iterations": 2}}))
+    recipe = load_recipe(
+        small_recipe(
+            tmp_path,
+            {
+                "sft": {"full_finetune": False, "epochs": 1, "learning_rate": 5e-3},
+                "data": {"sft": {"max_samples": 64}},
+                "ppo": {**PPO_SMALL, "iterations": 2},
+            },
+        )
+    )
     run_sft(recipe, QUIET)
     run = RunDir.for_recipe(recipe)
     base, adapter, _ = policy_source(recipe, run, {})
@@ -335,8 +429,10 @@ def test_ppo_after_a_lora_sft_uses_the_merged_sft_model_as_reference(pipeline, t
     from rlhf_cli.modeling import resolve_model_path
 
     raw = AutoModelForCausalLM.from_pretrained(resolve_model_path(base))
-    assert any(not torch.equal(a, b) for a, b in zip(merged.state_dict().values(),
-                                                     raw.state_dict().values(), strict=True))
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(merged.state_dict().values(), raw.state_dict().values(), strict=True)
+    )
     assert run_ppo(recipe, QUIET)["status"] == "completed"
 
 
@@ -344,8 +440,9 @@ def test_reward_truncation_is_reported(pipeline, tmp_path, small_recipe):
     from rlhf_cli.stages.ppo import run_ppo
 
     recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 1})
-    recipe = recipe.model_copy(update={"reward": recipe.reward.model_copy(
-        update={"max_length": 12})})
+    recipe = recipe.model_copy(
+        update={"reward": recipe.reward.model_copy(update={"max_length": 12})}
+    )
     manifest = run_ppo(recipe, QUIET)
     rows = read_metrics(RunDir.for_recipe(recipe).stage_dir("ppo") / "metrics.jsonl")
     assert rows[0]["reward/truncated_inputs"] > 0

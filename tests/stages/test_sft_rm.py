@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow
 QUIET = Console(stderr=True, quiet=True)
 
 
-def trained(small_recipe: Callable[..., Path], folder: Path, updates: dict[str, Any],
-            stage: str) -> tuple[Recipe, dict[str, Any]]:
+def trained(
+    small_recipe: Callable[..., Path], folder: Path, updates: dict[str, Any], stage: str
+) -> tuple[Recipe, dict[str, Any]]:
     from rlhf_cli.stages.reward import run_train_rm
     from rlhf_cli.stages.sft import run_sft
 
@@ -37,9 +38,11 @@ def sft_full(small_recipe, tmp_path_factory) -> tuple[Recipe, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def sft_lora(small_recipe, tmp_path_factory) -> tuple[Recipe, dict[str, Any]]:
-    updates = {"sft": {"full_finetune": False, "epochs": 1},
-               "data": {"sft": {"max_samples": 160}},
-               "model": {"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}}
+    updates = {
+        "sft": {"full_finetune": False, "epochs": 1},
+        "data": {"sft": {"max_samples": 160}},
+        "model": {"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}},
+    }
     return trained(small_recipe, tmp_path_factory.mktemp("sft_lora"), updates, "sft")
 
 
@@ -60,8 +63,11 @@ def test_sft_manifest_is_completed(sft_full) -> None:
     assert manifest["stage"] == "sft" and manifest["status"] == "completed"
     assert manifest["recipe_sha256"] == recipe.sha256()
     assert manifest["inputs"] == {}
-    assert manifest["outputs"] == {"model": "model", "tokenizer": "tokenizer",
-                                   "metrics": "metrics.jsonl"}
+    assert manifest["outputs"] == {
+        "model": "model",
+        "tokenizer": "tokenizer",
+        "metrics": "metrics.jsonl",
+    }
     assert manifest["metrics"]["train_rows"] == 360 and manifest["metrics"]["eval_rows"] == 40
     assert (run.output_dir / "LATEST").read_text().strip() == recipe.run.name
     assert load_recipe(run.recipe_path()).sha256() == recipe.sha256()
@@ -108,7 +114,8 @@ def test_sft_weights_changed_from_the_base(sft_full) -> None:
     recipe, manifest = sft_full
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path(recipe.model.name_or_path))
     tuned = AutoModelForCausalLM.from_pretrained(
-        RunDir.for_recipe(recipe).resolve_output("sft", manifest, "model"))
+        RunDir.for_recipe(recipe).resolve_output("sft", manifest, "model")
+    )
     base_w = dict(base.named_parameters())
     changed = [n for n, p in tuned.named_parameters() if not torch.equal(p, base_w[n])]
     assert len(changed) == len(base_w)  # full fine-tuning: every tensor moves
@@ -183,8 +190,11 @@ def test_rm_model_reloads_and_prefers_chosen(rm) -> None:
     prompt = "How do I keep my kitchen knives sharp?"
     scores, n_truncated = scorer.score(
         [prompt, prompt],
-        ["Happy to help. Hone them before each use and sharpen them on a stone twice a year.",
-         "Figure it out yourself."])
+        [
+            "Happy to help. Hone them before each use and sharpen them on a stone twice a year.",
+            "Figure it out yourself.",
+        ],
+    )
     assert n_truncated == 0 and scores.shape == (2,)
     assert scores[0] > scores[1]
     train_prompts = json.loads((run.stage_dir("rm") / "train_prompts.json").read_text())
@@ -194,7 +204,8 @@ def test_rm_model_reloads_and_prefers_chosen(rm) -> None:
 def test_pretrained_reward_is_a_stage_error(small_recipe, tmp_path: Path) -> None:
     from rlhf_cli.stages.reward import run_train_rm
 
-    recipe = load_recipe(small_recipe(tmp_path, {"reward": {"base_model": None,
-                                                            "pretrained": "builtin:minilm"}}))
+    recipe = load_recipe(
+        small_recipe(tmp_path, {"reward": {"base_model": None, "pretrained": "builtin:minilm"}})
+    )
     with pytest.raises(StageError, match="reward.pretrained is set"):
         run_train_rm(recipe, QUIET)

@@ -22,10 +22,14 @@ from rlhf_cli.errors import DataError
 from rlhf_cli.recipe import DataSource, PromptSource
 
 HH_ONE = "\n\nHuman: What is X?\n\nAssistant: It is Y."
-HH_MULTI = ("\n\nHuman: Hi there, can you help me?\n\nAssistant: Sure, what with?"
-            "\n\nHuman: Cooking rice.\n\nAssistant: Rinse it first.")
-HH_MULTI_BAD = ("\n\nHuman: Hi there, can you help me?\n\nAssistant: Sure, what with?"
-                "\n\nHuman: Cooking rice.\n\nAssistant: No.")
+HH_MULTI = (
+    "\n\nHuman: Hi there, can you help me?\n\nAssistant: Sure, what with?"
+    "\n\nHuman: Cooking rice.\n\nAssistant: Rinse it first."
+)
+HH_MULTI_BAD = (
+    "\n\nHuman: Hi there, can you help me?\n\nAssistant: Sure, what with?"
+    "\n\nHuman: Cooking rice.\n\nAssistant: No."
+)
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
@@ -54,8 +58,9 @@ def test_hh_split_single_turn() -> None:
 
 def test_hh_split_multi_turn_keeps_the_history_in_the_prompt() -> None:
     prompt, response = hh_split(HH_MULTI)
-    assert prompt == ("Hi there, can you help me?\n\nAssistant: Sure, what with?"
-                      "\n\nHuman: Cooking rice.")
+    assert prompt == (
+        "Hi there, can you help me?\n\nAssistant: Sure, what with?\n\nHuman: Cooking rice."
+    )
     assert response == "Rinse it first."
     # the reward template rebuilds the dialogue
     template = "Human: {prompt}\n\nAssistant: {response}"
@@ -71,12 +76,15 @@ def test_hh_split_without_assistant_turn() -> None:
 
 
 def test_min_words_drops_five_words_or_fewer(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "p.jsonl", [
-        {"prompt": "one two three four five"},           # 5 words: dropped
-        {"prompt": "one two three four five six"},       # 6 words: kept
-        {"prompt": "  "},                                # blank: dropped
-        {"prompt": "a b c d e f g h"},                   # kept
-    ])
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "one two three four five"},  # 5 words: dropped
+            {"prompt": "one two three four five six"},  # 6 words: kept
+            {"prompt": "  "},  # blank: dropped
+            {"prompt": "a b c d e f g h"},  # kept
+        ],
+    )
     assert prompts_of(path, tmp_path) == ["one two three four five six", "a b c d e f g h"]
     assert len(prompts_of(path, tmp_path, min_words=0)) == 3  # blank still dropped
 
@@ -88,8 +96,9 @@ def test_max_chars_truncates(tmp_path: Path) -> None:
 
 
 def test_max_chars_applies_before_the_word_count(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "aa bb cc dd ee ff gg hh"},
-                                              {"prompt": "a b c d e f g"}])
+    path = write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": "aa bb cc dd ee ff gg hh"}, {"prompt": "a b c d e f g"}]
+    )
     # cut to 11 characters: "aa bb cc dd" has 4 words (dropped), "a b c d e f" has 6 (kept)
     assert prompts_of(path, tmp_path, max_chars=11) == ["a b c d e f"]
     with pytest.raises(DataError, match="6 words or more"):
@@ -103,13 +112,22 @@ def test_prompt_and_instruction_columns(tmp_path: Path, column: str) -> None:
 
 
 def test_hh_chosen_column_gives_the_first_human_turn(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "p.jsonl", [
-        {"chosen": HH_MULTI, "rejected": HH_MULTI_BAD},
-        {"chosen": "\n\nHuman: How should I store fresh basil at home?\n\nAssistant: In water.",
-         "rejected": "\n\nHuman: How should I store fresh basil at home?\n\nAssistant: No."},
-    ])
-    assert prompts_of(path, tmp_path) == ["Hi there, can you help me?",
-                                          "How should I store fresh basil at home?"]
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"chosen": HH_MULTI, "rejected": HH_MULTI_BAD},
+            {
+                "chosen": (
+                    "\n\nHuman: How should I store fresh basil at home?\n\nAssistant: In water."
+                ),
+                "rejected": "\n\nHuman: How should I store fresh basil at home?\n\nAssistant: No.",
+            },
+        ],
+    )
+    assert prompts_of(path, tmp_path) == [
+        "Hi there, can you help me?",
+        "How should I store fresh basil at home?",
+    ]
 
 
 def test_prompts_missing_column_names_the_columns(tmp_path: Path) -> None:
@@ -122,8 +140,10 @@ def test_prompts_missing_column_names_the_columns(tmp_path: Path) -> None:
 
 
 def test_prompts_from_csv_and_json(tmp_path: Path) -> None:
-    rows = [{"prompt": "What is a good way to learn the guitar?"},
-            {"prompt": "How do I keep my kitchen knives sharp?"}]
+    rows = [
+        {"prompt": "What is a good way to learn the guitar?"},
+        {"prompt": "How do I keep my kitchen knives sharp?"},
+    ]
     with open(tmp_path / "p.csv", "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=["prompt"])
         writer.writeheader()
@@ -137,8 +157,10 @@ def test_prompts_from_csv_and_json(tmp_path: Path) -> None:
 def test_txt_file_is_one_prompt_a_line(tmp_path: Path) -> None:
     path = tmp_path / "p.txt"
     path.write_text("What is the best way to fold a shirt?\n\nHow do I clean my oven door?\n")
-    assert prompts_of(path, tmp_path) == ["What is the best way to fold a shirt?",
-                                          "How do I clean my oven door?"]
+    assert prompts_of(path, tmp_path) == [
+        "What is the best way to fold a shirt?",
+        "How do I clean my oven door?",
+    ]
 
 
 def test_max_samples_keeps_the_first_rows(tmp_path: Path) -> None:
@@ -173,13 +195,18 @@ def test_unknown_hub_name_is_a_data_error(tmp_path: Path) -> None:
 def test_preferences_explicit_shape(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "P", "chosen": "good", "rejected": "bad"}])
     assert load_preferences(DataSource(path=str(path)), tmp_path / "c") == [
-        {"prompt": "P", "chosen": "good", "rejected": "bad"}]
+        {"prompt": "P", "chosen": "good", "rejected": "bad"}
+    ]
 
 
 def test_preferences_hh_shape(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "p.jsonl", [{"chosen": HH_ONE,
-                                               "rejected": HH_ONE.replace("It is Y.", "Dunno.")},
-                                              {"chosen": HH_MULTI, "rejected": HH_MULTI_BAD}])
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"chosen": HH_ONE, "rejected": HH_ONE.replace("It is Y.", "Dunno.")},
+            {"chosen": HH_MULTI, "rejected": HH_MULTI_BAD},
+        ],
+    )
     pairs = load_preferences(DataSource(path=str(path)), tmp_path / "c")
     assert pairs[0] == {"prompt": "What is X?", "chosen": "It is Y.", "rejected": "Dunno."}
     assert pairs[1]["prompt"].endswith("\n\nHuman: Cooking rice.")
@@ -195,8 +222,9 @@ def test_preferences_missing_column(tmp_path: Path) -> None:
 
 
 def test_shipped_tiny_preferences(repo_root: Path, tmp_path: Path) -> None:
-    pairs = load_preferences(DataSource(path=str(repo_root / "data/tiny/preferences.jsonl")),
-                             tmp_path / "c")
+    pairs = load_preferences(
+        DataSource(path=str(repo_root / "data/tiny/preferences.jsonl")), tmp_path / "c"
+    )
     assert len(pairs) == 400
     assert all(p["chosen"] != p["rejected"] for p in pairs)
 
@@ -208,20 +236,26 @@ def test_sft_prompt_response_chat_and_plain(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "Q", "response": "A"}])
     source = DataSource(path=str(path))
     assert load_sft(source, chat=True, cache_dir=tmp_path / "c") == [
-        {"prompt": [{"role": "user", "content": "Q"}],
-         "completion": [{"role": "assistant", "content": "A"}]}]
+        {
+            "prompt": [{"role": "user", "content": "Q"}],
+            "completion": [{"role": "assistant", "content": "A"}],
+        }
+    ]
     assert load_sft(source, chat=False, cache_dir=tmp_path / "c") == [
-        {"prompt": "Q", "completion": "A"}]
+        {"prompt": "Q", "completion": "A"}
+    ]
 
 
 def test_sft_text_and_messages(tmp_path: Path) -> None:
     text = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}])
     assert load_sft(DataSource(path=str(text)), chat=True, cache_dir=tmp_path / "c") == [
-        {"text": "hello"}]
+        {"text": "hello"}
+    ]
     msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
     chat = write_jsonl(tmp_path / "m.jsonl", [{"messages": msgs}])
     assert load_sft(DataSource(path=str(chat)), chat=True, cache_dir=tmp_path / "c") == [
-        {"messages": msgs}]
+        {"messages": msgs}
+    ]
 
 
 def test_sft_missing_columns(tmp_path: Path) -> None:
@@ -233,9 +267,18 @@ def test_sft_missing_columns(tmp_path: Path) -> None:
 # ── held-out split ──────────────────────────────────────────────────────────────────────────
 
 
-@pytest.mark.parametrize(("n", "fraction", "n_eval"),
-                         [(100, 0.1, 10), (400, 0.15, 60), (10, 0.1, 1), (3, 0.01, 1),
-                          (2, 0.49, 1), (7, 0.2, 1), (9, 0.2, 2)])
+@pytest.mark.parametrize(
+    ("n", "fraction", "n_eval"),
+    [
+        (100, 0.1, 10),
+        (400, 0.15, 60),
+        (10, 0.1, 1),
+        (3, 0.01, 1),
+        (2, 0.49, 1),
+        (7, 0.2, 1),
+        (9, 0.2, 2),
+    ],
+)
 def test_split_eval_sizes(n: int, fraction: float, n_eval: int) -> None:
     train, held = split_eval(list(range(n)), fraction, seed=0)
     assert len(held) == n_eval and len(train) == n - n_eval

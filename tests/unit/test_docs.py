@@ -16,8 +16,11 @@ def test_every_field_is_documented():
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
             ann = field.annotation
-            nested = [a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type)
-                      and hasattr(a, "model_fields")]
+            nested = [
+                a
+                for a in (ann, *getattr(ann, "__args__", ()))
+                if isinstance(a, type) and hasattr(a, "model_fields")
+            ]
             for sub in nested:
                 walk(sub)
 

@@ -2,8 +2,13 @@
 
 from rlhf_cli.ppo.health import HealthMonitor
 
-HEALTHY = {"objective/kl": 5.0, "objective/clipfrac": 0.2, "objective/entropy": 4.0,
-           "ppo/loss/value": 0.5, "env/reward_mean": 1.0}
+HEALTHY = {
+    "objective/kl": 5.0,
+    "objective/clipfrac": 0.2,
+    "objective/entropy": 4.0,
+    "ppo/loss/value": 0.5,
+    "env/reward_mean": 1.0,
+}
 
 
 def test_healthy_metrics_fire_nothing():
@@ -15,8 +20,7 @@ def test_each_danger_fires_once_with_its_fix():
     bad = {**HEALTHY, "objective/kl": 30.0, "objective/entropy": 0.5}
     first = monitor.check(bad, 5, [])
     assert len(first) == 2
-    assert any("KL jumped above 25" in m and "Increase β, reduce learning rate" in m
-               for m in first)
+    assert any("KL jumped above 25" in m and "Increase β, reduce learning rate" in m for m in first)
     assert any("Increase c₂" in m for m in first)
     assert monitor.check(bad, 6, []) == []  # once per kind of problem
 
@@ -24,14 +28,12 @@ def test_each_danger_fires_once_with_its_fix():
 def test_thresholds_that_depend_on_the_iteration():
     monitor = HealthMonitor()
     assert monitor.check({**HEALTHY, "ppo/loss/value": 3.0}, 99, []) == []
-    assert "value loss above 2.0" in monitor.check({**HEALTHY, "ppo/loss/value": 3.0}, 100,
-                                                   [])[0]
+    assert "value loss above 2.0" in monitor.check({**HEALTHY, "ppo/loss/value": 3.0}, 100, [])[0]
     assert monitor.check({**HEALTHY, "objective/clipfrac": 0.01}, 9, []) == []
     assert "reduce KL coef" in monitor.check({**HEALTHY, "objective/clipfrac": 0.01}, 10, [])[0]
     falling = [{"env/reward_mean": 2.0}] * 10 + [{"env/reward_mean": 1.0}] * 10
     assert "Check reward model" in monitor.check(HEALTHY, 60, falling)[0]
-    assert HealthMonitor(already=["kl_high"]).check({**HEALTHY, "objective/kl": 30.0}, 5,
-                                                    []) == []
+    assert HealthMonitor(already=["kl_high"]).check({**HEALTHY, "objective/kl": 30.0}, 5, []) == []
 
 
 def test_docs_table_is_the_code_table():
@@ -46,10 +48,15 @@ def test_docs_table_is_the_code_table():
 def test_bands_say_what_the_guide_says():
     from rlhf_cli.ppo.health import RANGES
 
-    kl, clip, entropy = (RANGES[k] for k in ("objective/kl", "objective/clipfrac",
-                                             "objective/entropy"))
+    kl, clip, entropy = (
+        RANGES[k] for k in ("objective/kl", "objective/clipfrac", "objective/entropy")
+    )
     assert (kl.healthy_now(14.9), kl.healthy_now(15.1)) == (True, False)
-    assert (clip.healthy_now(0.10), clip.healthy_now(0.35), clip.healthy_now(0.36),
-            clip.healthy_now(0.09)) == (True, True, False, False)
+    assert (
+        clip.healthy_now(0.10),
+        clip.healthy_now(0.35),
+        clip.healthy_now(0.36),
+        clip.healthy_now(0.09),
+    ) == (True, True, False, False)
     assert (entropy.healthy_now(3.0), entropy.healthy_now(2.99)) == (True, False)
     assert RANGES["env/reward_mean"].healthy_now(-5.0) is None  # a trend, not a band

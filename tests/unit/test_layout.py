@@ -48,7 +48,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -78,9 +78,17 @@ def test_ppo_and_audit_import_no_stage_and_no_cli():
 
 
 def test_shared_helpers_import_no_layer_above():
-    lower = ("rlhf_cli.generation", "rlhf_cli.modeling", "rlhf_cli.scoring", "rlhf_cli.data",
-             "rlhf_cli.rundir", "rlhf_cli.tracking", "rlhf_cli.recipe", "rlhf_cli.errors",
-             "rlhf_cli.tiny")
+    lower = (
+        "rlhf_cli.generation",
+        "rlhf_cli.modeling",
+        "rlhf_cli.scoring",
+        "rlhf_cli.data",
+        "rlhf_cli.rundir",
+        "rlhf_cli.tracking",
+        "rlhf_cli.recipe",
+        "rlhf_cli.errors",
+        "rlhf_cli.tiny",
+    )
     above = ("rlhf_cli.ppo", "rlhf_cli.audit", "rlhf_cli.stages", "rlhf_cli.cli")
     for module, targets in import_graph().items():
         if module in lower:
@@ -99,13 +107,21 @@ def test_each_stage_is_a_leaf():
 
 def test_one_generation_module_serves_every_caller():
     graph = import_graph()
-    for caller in ("rlhf_cli.ppo.rollout", "rlhf_cli.audit.measure", "rlhf_cli.stages.merge",
-                   "rlhf_cli.stages.compare"):
+    for caller in (
+        "rlhf_cli.ppo.rollout",
+        "rlhf_cli.audit.measure",
+        "rlhf_cli.stages.merge",
+        "rlhf_cli.stages.compare",
+    ):
         assert "rlhf_cli.generation" in graph[caller], caller
     sources = {name: path.read_text() for name, path in _modules().items()}
     callers = [name for name, text in sources.items() if ".generate(" in text]
-    assert set(callers) <= {"rlhf_cli.generation", "rlhf_cli.ppo.rollout",
-                            "rlhf_cli.audit.measure", "rlhf_cli.stages.compare"}, callers
+    assert set(callers) <= {
+        "rlhf_cli.generation",
+        "rlhf_cli.ppo.rollout",
+        "rlhf_cli.audit.measure",
+        "rlhf_cli.stages.compare",
+    }, callers
     model_generate = [n for n, t in sources.items() if "model.generate(" in t]
     assert model_generate == ["rlhf_cli.generation"]
 

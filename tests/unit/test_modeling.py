@@ -24,9 +24,12 @@ CPU = torch.device("cpu")
 
 
 def tiny_cfg(**quantization: object) -> ModelSection:
-    return ModelSection(name_or_path="builtin:tiny-lm", dtype="float32",
-                        quantization=QuantizationSection(**quantization),
-                        lora={"r": 4, "alpha": 8, "dropout": 0.0})
+    return ModelSection(
+        name_or_path="builtin:tiny-lm",
+        dtype="float32",
+        quantization=QuantizationSection(**quantization),
+        lora={"r": 4, "alpha": 8, "dropout": 0.0},
+    )
 
 
 def save_word_tokenizer(folder: Path, **specials: str) -> Path:
@@ -131,8 +134,9 @@ def test_qlora_on_cpu_trains_only_the_adapter() -> None:
     import bitsandbytes as bnb
 
     torch.manual_seed(0)
-    model = load_causal_lm("builtin:tiny-lm", tiny_cfg(load_in_4bit=True,
-                                                       compute_dtype="float32"), CPU)
+    model = load_causal_lm(
+        "builtin:tiny-lm", tiny_cfg(load_in_4bit=True, compute_dtype="float32"), CPU
+    )
     quantised = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(quantised) == 2 * 7  # two layers × (q, k, v, o, gate, up, down)
     assert quantised[0].weight.quant_type == "nf4"

@@ -414,8 +414,9 @@ def test_kl_controller_state_dict_round_trip() -> None:
     assert other.value == 0.1
 
 
-@pytest.mark.parametrize("controller", [AdaptiveKLController(0.2, 6.0, 10000),
-                                        FixedKLController(0.2)])
+@pytest.mark.parametrize(
+    "controller", [AdaptiveKLController(0.2, 6.0, 10000), FixedKLController(0.2)]
+)
 def test_raise_by_adds_the_audit_step(controller):
     controller.raise_by(0.05)
     assert controller.value == pytest.approx(0.25)

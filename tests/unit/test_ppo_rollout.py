@@ -1,4 +1,5 @@
-"""The rollout details that decide whether PPO works, pinned on tiny tensors and a tiny model."""
+"""PPO's rollout on a tiny model: the actor's left-padded forward, the zero-initialised value
+head, and the scores that training uses."""
 
 from __future__ import annotations
 
@@ -7,51 +8,21 @@ import torch
 from torch.testing import assert_close
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhf_cli.generation import left_pad, position_ids_from, response_logprobs, response_mask_from
+from rlhf_cli.generation import left_pad
 from rlhf_cli.ppo.models import PolicyAndValue, zero_value_head
-
-EOS = 2
-
-
-def test_mask_keeps_a_real_eos_when_pad_equals_eos():
-    # generate() pads finished rows with pad == eos; the first EOS is real and stays in the mask
-    response = torch.tensor([[5, 7, EOS, EOS, EOS], [5, 6, 7, 8, 9]])
-    mask, ended = response_mask_from(response, [EOS])
-    assert mask.tolist() == [[True, True, True, False, False], [True] * 5]
-    assert ended.tolist() == [True, False]
-
-
-def test_mask_stops_at_any_stop_token_and_at_position_zero():
-    response = torch.tensor([[9, EOS, 4], [7, 3, 3]])
-    mask, ended = response_mask_from(response, [EOS, 7])
-    assert mask.tolist() == [[True, True, False], [True, False, False]]
-    assert ended.tolist() == [True, True]
-
-
-def test_position_ids_count_real_tokens_only():
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    assert position_ids_from(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
-
-
-def test_left_pad():
-    ids, mask = left_pad([[4, 5], [6, 7, 8]], pad_id=0, device=torch.device("cpu"))
-    assert ids.tolist() == [[0, 4, 5], [6, 7, 8]]
-    assert mask.tolist() == [[0, 1, 1], [1, 1, 1]]
-
-
-def test_logprobs_use_the_sampling_temperature():
-    torch.manual_seed(0)
-    logits = torch.randn(2, 5, 11)
-    response = torch.randint(0, 11, (2, 3))
-    logprobs, _ = response_logprobs(logits, response, query_width=2, temperature=0.7)
-    expected = torch.log_softmax(logits[:, 1:4] / 0.7, -1).gather(-1, response[..., None])[..., 0]
-    assert_close(logprobs, expected)
 
 
 def _tiny_actor() -> PolicyAndValue:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
     return PolicyAndValue(LlamaForCausalLM(config).eval(), value_head=zero_value_head(32))
 
 
@@ -90,18 +61,35 @@ def test_missing_eos_penalty_hits_only_responses_that_never_end(stop_on_anything
 
     tokenizer = load_tokenizer("builtin:tiny-lm")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     policy = LlamaForCausalLM(config).eval()
     actor = PolicyAndValue(policy, value_head=zero_value_head(32))
     stops = list(range(len(tokenizer))) if stop_on_anything else [tokenizer.eos_token_id]
     queries = [tokenizer("hello there friend")["input_ids"]] * 4
-    cfg = PpoSection(batch_size=4, mini_batch_size=2, gradient_accumulation_steps=1,
-                     missing_eos_penalty=0.5,
-                     generation=GenerationSection(max_new_tokens=3, temperature=1.0, top_p=1.0))
-    rollout = collect_rollout(actor, Reference(policy, frozen_copy=policy), _ConstantScorer(),
-                              HFGenerator(policy, tokenizer, stops), ["p"] * 4, queries, cfg)
+    cfg = PpoSection(
+        batch_size=4,
+        mini_batch_size=2,
+        gradient_accumulation_steps=1,
+        missing_eos_penalty=0.5,
+        generation=GenerationSection(max_new_tokens=3, temperature=1.0, top_p=1.0),
+    )
+    rollout = collect_rollout(
+        actor,
+        Reference(policy, frozen_copy=policy),
+        _ConstantScorer(),
+        HFGenerator(policy, tokenizer, stops),
+        ["p"] * 4,
+        queries,
+        cfg,
+    )
     assert rollout.ended.all() == stop_on_anything
     assert_close(rollout.scores, 1.0 - 0.5 * (~rollout.ended).float())
     assert_close(rollout.raw_scores, torch.ones(4))

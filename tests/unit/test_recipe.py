@@ -37,8 +37,15 @@ ppo:
   mini_batch_size: 4
   gradient_accumulation_steps: 2
 """
-LINE = {"data": 6, "data.sft.path": 8, "reward": 13, "ppo.learning_rate": 16,
-        "ppo.batch_size": 17, "ppo.mini_batch_size": 18, "ppo.gradient_accumulation_steps": 19}
+LINE = {
+    "data": 6,
+    "data.sft.path": 8,
+    "reward": 13,
+    "ppo.learning_rate": 16,
+    "ppo.batch_size": 17,
+    "ppo.mini_batch_size": 18,
+    "ppo.gradient_accumulation_steps": 19,
+}
 
 
 def edit(text: str, old: str, new: str) -> str:
@@ -139,29 +146,69 @@ def test_embedded_default_recipe_validates(repo_root: Path) -> None:
 @pytest.mark.parametrize(
     ("old", "new", "field", "line", "words"),
     [
-        ("  gradient_accumulation_steps: 2\n",
-         "  gradient_accumulation_steps: 2\n  lerning_rate: 1\n", "ppo.lerning_rate", 20,
-         "unknown key"),
-        ("batch_size: 16", "batch_size: many", "ppo.batch_size", LINE["ppo.batch_size"],
-         "valid integer"),
-        ("learning_rate: 1.0e-5", "learning_rate: -1.0e-5", "ppo.learning_rate",
-         LINE["ppo.learning_rate"], "greater than 0"),
-        ("mini_batch_size: 4", "mini_batch_size: 5", "ppo.mini_batch_size",
-         LINE["ppo.mini_batch_size"], "must divide ppo.batch_size (16)"),
-        ("gradient_accumulation_steps: 2", "gradient_accumulation_steps: 3",
-         "ppo.gradient_accumulation_steps", LINE["ppo.gradient_accumulation_steps"],
-         "(12) must divide ppo.batch_size (16)"),
-        (f"path: {TINY_DATA / 'sft.jsonl'}", "path: missing/sft.jsonl", "data.sft.path",
-         LINE["data.sft.path"], "data file not found"),
-        ("  base_model: builtin:minilm\n",
-         "  base_model: builtin:minilm\n  pretrained: builtin:x\n", "reward.pretrained", 15,
-         "exactly one of"),
+        (
+            "  gradient_accumulation_steps: 2\n",
+            "  gradient_accumulation_steps: 2\n  lerning_rate: 1\n",
+            "ppo.lerning_rate",
+            20,
+            "unknown key",
+        ),
+        (
+            "batch_size: 16",
+            "batch_size: many",
+            "ppo.batch_size",
+            LINE["ppo.batch_size"],
+            "valid integer",
+        ),
+        (
+            "learning_rate: 1.0e-5",
+            "learning_rate: -1.0e-5",
+            "ppo.learning_rate",
+            LINE["ppo.learning_rate"],
+            "greater than 0",
+        ),
+        (
+            "mini_batch_size: 4",
+            "mini_batch_size: 5",
+            "ppo.mini_batch_size",
+            LINE["ppo.mini_batch_size"],
+            "must divide ppo.batch_size (16)",
+        ),
+        (
+            "gradient_accumulation_steps: 2",
+            "gradient_accumulation_steps: 3",
+            "ppo.gradient_accumulation_steps",
+            LINE["ppo.gradient_accumulation_steps"],
+            "(12) must divide ppo.batch_size (16)",
+        ),
+        (
+            f"path: {TINY_DATA / 'sft.jsonl'}",
+            "path: missing/sft.jsonl",
+            "data.sft.path",
+            LINE["data.sft.path"],
+            "data file not found",
+        ),
+        (
+            "  base_model: builtin:minilm\n",
+            "  base_model: builtin:minilm\n  pretrained: builtin:x\n",
+            "reward.pretrained",
+            15,
+            "exactly one of",
+        ),
     ],
-    ids=["unknown-key", "wrong-type", "negative-lr", "mini-batch", "grad-accum", "missing-file",
-         "two-reward-sources"],
+    ids=[
+        "unknown-key",
+        "wrong-type",
+        "negative-lr",
+        "mini-batch",
+        "grad-accum",
+        "missing-file",
+        "two-reward-sources",
+    ],
 )
-def test_each_problem_names_its_field_and_line(tmp_path: Path, old: str, new: str, field: str,
-                                               line: int, words: str) -> None:
+def test_each_problem_names_its_field_and_line(
+    tmp_path: Path, old: str, new: str, field: str, line: int, words: str
+) -> None:
     path = write(tmp_path, edit(VALID, old, new))
     problems = problems_of(path)
     assert len(problems) == 1, problems
@@ -176,8 +223,11 @@ def test_each_problem_names_its_field_and_line(tmp_path: Path, old: str, new: st
 
 
 def test_union_field_is_one_line_without_type_tags(tmp_path: Path) -> None:
-    text = edit(VALID, "  name_or_path: builtin:tiny-lm\n",
-                "  name_or_path: builtin:tiny-lm\n  lora:\n    target_modules: 5\n")
+    text = edit(
+        VALID,
+        "  name_or_path: builtin:tiny-lm\n",
+        "  name_or_path: builtin:tiny-lm\n  lora:\n    target_modules: 5\n",
+    )
     path = write(tmp_path, text)
     (problem,) = problems_of(path)
     assert problem.startswith(f"{path}:7: model.lora.target_modules: "), problem

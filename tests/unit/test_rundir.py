@@ -14,8 +14,19 @@ from rlhf_cli.errors import StageError
 from rlhf_cli.recipe import Recipe, parse_recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json, file_sha256
 
-MANIFEST_KEYS = {"stage", "status", "run", "started_at", "finished_at", "recipe_sha256", "inputs",
-                 "outputs", "metrics", "warnings", "versions"}
+MANIFEST_KEYS = {
+    "stage",
+    "status",
+    "run",
+    "started_at",
+    "finished_at",
+    "recipe_sha256",
+    "inputs",
+    "outputs",
+    "metrics",
+    "warnings",
+    "versions",
+}
 
 
 @pytest.fixture
@@ -47,8 +58,9 @@ def test_paths_follow_the_layout(run: RunDir, tmp_path: Path) -> None:
     assert run.recipe_path() == tmp_path / "runs" / "demo" / "recipe.yaml"
 
 
-def test_prepare_snapshots_recipe_and_points_latest(run: RunDir, recipe: Recipe,
-                                                    tmp_path: Path) -> None:
+def test_prepare_snapshots_recipe_and_points_latest(
+    run: RunDir, recipe: Recipe, tmp_path: Path
+) -> None:
     assert RunDir.latest(tmp_path / "runs") is None
     run.prepare(recipe)
     assert (tmp_path / "runs" / "LATEST").read_text() == "demo\n"
@@ -85,8 +97,9 @@ def test_completed_manifest_has_every_field(run: RunDir, recipe: Recipe) -> None
     assert manifest["outputs"] == {"adapter": "adapter"}
     assert manifest["metrics"] == {"eval_loss": 1.5}
     assert manifest["warnings"] == ["w"]
-    assert {"python", "torch", "transformers", "trl", "peft", "accelerate",
-            "rlhf-cli"} <= set(manifest["versions"])
+    assert {"python", "torch", "transformers", "trl", "peft", "accelerate", "rlhf-cli"} <= set(
+        manifest["versions"]
+    )
     started = dt.datetime.fromisoformat(manifest["started_at"])
     finished = dt.datetime.fromisoformat(manifest["finished_at"])
     assert started.tzinfo is not None and started <= finished
@@ -170,8 +183,9 @@ def test_atomic_write_replaces_the_file(tmp_path: Path) -> None:
     assert leftovers(tmp_path) == []
 
 
-def test_failed_rename_keeps_old_file_and_no_temp(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_rename_keeps_old_file_and_no_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "m.json"
     atomic_write_json(path, {"v": 1})
 
@@ -187,8 +201,9 @@ def test_failed_rename_keeps_old_file_and_no_temp(tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
 
 
-def test_failed_write_midway_keeps_old_file_and_no_temp(tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_write_midway_keeps_old_file_and_no_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "m.json"
     atomic_write_json(path, {"v": 1})
 

@@ -162,3 +162,16 @@ def test_a_bfloat16_model_still_gives_float32_scores(reward_model):
 def test_no_pairs_give_an_empty_float32_tensor(reward_model):
     scores, n_truncated = scorer(reward_model).score([], [])
     assert scores.shape == (0,) and scores.dtype == torch.float32 and n_truncated == 0
+
+
+def test_reward_truncation_is_counted_not_silent():
+    from rlhf_cli.modeling import load_tokenizer
+    from rlhf_cli.scoring import RewardScorer
+
+    tokenizer = load_tokenizer("builtin:minilm", padding_side="right")
+    scorer = RewardScorer(
+        model=None, tokenizer=tokenizer, template="{prompt} {response}", max_length=16
+    )
+    ids, n_truncated = scorer.encode(scorer.texts(["short", "long " * 40], ["ok", "ok"]))
+    assert n_truncated == 1
+    assert max(len(x) for x in ids) == 16

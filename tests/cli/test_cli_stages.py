@@ -1,16 +1,17 @@
-"""The `rlhf` command: exit codes and messages of validate, sft and train-rm."""
+"""The stage commands (sft, train-rm) and the run lock from the shell: exit codes, one-line
+errors, `--json`."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from rlhf_cli.cli import app
-from rlhf_cli.recipe import load_recipe
-from rlhf_cli.rundir import RunDir
 
 
 def invoke(*args: str):
@@ -22,20 +23,6 @@ def test_help_lists_the_stages() -> None:
     assert result.exit_code == 0
     for command in ("validate", "sft", "train-rm", "ppo", "audit", "merge", "push"):
         assert command in result.output
-
-
-def test_validate_without_recipe_uses_the_latest_run(make_recipe, tmp_path: Path) -> None:
-    recipe = load_recipe(make_recipe({"run": {"name": "picked"}}))
-    RunDir.for_recipe(recipe).prepare(recipe)
-    result = invoke("validate", "--json", "--runs-dir", str(tmp_path / "runs"))
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["run"]["name"] == "picked"
-
-
-def test_validate_without_recipe_or_runs_uses_the_embedded_default(tmp_path: Path) -> None:
-    result = invoke("validate", "--json", "--runs-dir", str(tmp_path / "none"))
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["model"]["name_or_path"] == "builtin:tiny-lm"
 
 
 def test_stage_with_a_bad_recipe_exits_2(make_recipe) -> None:
@@ -82,3 +69,19 @@ def test_train_rm_runs_without_sft(make_recipe, tmp_path: Path) -> None:
     assert manifest["status"] == "completed"
     assert (run / "rm" / "model" / "config.json").is_file()
     assert (tmp_path / "runs" / "LATEST").read_text().strip() == "tiny"
+
+
+def test_cli_busy_run_exits_2_naming_the_holder(make_recipe, tmp_path):
+    recipe = make_recipe()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = tmp_path / "runs" / "tiny" / ".lock"
+        lock.parent.mkdir(parents=True)
+        lock.write_text(f'{{"pid": {holder.pid}, "command": "rlhf train-rm"}}')
+        result = CliRunner().invoke(app, ["sft", "--recipe", str(recipe)])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.exit_code == 2
+    assert f"busy: pid {holder.pid}" in result.output
+    assert "Traceback" not in result.output

@@ -1,0 +1,53 @@
+"""The run lock: a live holder is named and nothing is written; a stale lock is taken over."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_cli.errors import StageError
+from rlhf_cli.recipe import Recipe, parse_recipe
+from rlhf_cli.rundir import RunDir, StageRecord
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = yaml.safe_load((REPO / "recipes" / "tiny.yaml").read_text())
+
+
+def _recipe(tmp_path: Path) -> Recipe:
+    data = yaml.safe_load(yaml.safe_dump(TINY))
+    data["run"]["output_dir"] = str(tmp_path / "runs")
+    return parse_recipe(yaml.safe_dump(data), "r.yaml", base_dir=REPO / "recipes")
+
+
+def test_a_live_lock_holder_is_named(tmp_path):
+    recipe = _recipe(tmp_path)
+    run = RunDir.for_recipe(recipe)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        run.path.mkdir(parents=True)
+        (run.path / ".lock").write_text(f'{{"pid": {holder.pid}, "command": "rlhf ppo"}}')
+        with pytest.raises(StageError, match=f"busy: pid {holder.pid} \\(rlhf ppo"):
+            with StageRecord(run, "sft", recipe, inputs={}):
+                pass
+        assert run.read_manifest("sft") is None  # nothing written by the refused command
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_stale_lock_is_taken_over_and_released(tmp_path):
+    recipe = _recipe(tmp_path)
+    run = RunDir.for_recipe(recipe)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run.path.mkdir(parents=True)
+    (run.path / ".lock").write_text(f'{{"pid": {dead.pid}, "command": "rlhf sft"}}')
+    with StageRecord(run, "sft", recipe, inputs={}):
+        assert f'"pid": {os.getpid()}' in (run.path / ".lock").read_text()
+    assert not (run.path / ".lock").exists()
+    assert run.read_manifest("sft")["status"] == "completed"
