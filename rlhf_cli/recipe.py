@@ -133,6 +133,11 @@ class ModelSection(Section):
     prompt_format: Literal["chat", "plain"] = _f(
         "chat", "`chat` wraps prompts with the tokenizer's chat template; `plain` uses them as is."
     )
+    gradient_checkpointing: bool = _f(
+        False,
+        "Recompute activations in the backward pass (SFT, reward training and PPO): less memory, "
+        "about a third more compute.",
+    )
     quantization: QuantizationSection = _f(QuantizationSection(), "4-bit loading.")
     lora: LoraSection = _f(LoraSection(), "LoRA adapters for SFT and PPO.")
 
@@ -279,6 +284,9 @@ class PpoSection(Section):
     ppo_epochs: int = _f(4, "Passes over each rollout batch (the guide: at most 4).", gt=0)
     learning_rate: float = _f(1.4e-5, "AdamW learning rate.", gt=0.0)
     adam_eps: float = _f(1e-5, "AdamW epsilon (1e-5, as in the N-implementation-details).", gt=0.0)
+    weight_decay: float = _f(
+        0.0, "AdamW weight decay (0: TRL's PPO used Adam without decay).", ge=0.0
+    )
     adaptive_kl: bool = _f(True, "Adapt β toward `target_kl` (Ziegler et al. 2019).")
     init_kl_coef: float = _f(0.2, "Starting β of the per-token KL penalty.", ge=0.0)
     target_kl: float = _f(6.0, "Target KL in nats for the adaptive controller.", gt=0.0)
@@ -291,9 +299,19 @@ class PpoSection(Section):
     entropy_coef: float = _f(0.0, "c₂: entropy bonus (0 allowed).", ge=0.0)
     max_grad_norm: float = _f(0.5, "Gradient clipping norm.", gt=0.0)
     whiten_rewards: bool = _f(False, "Whiten the KL-shaped rewards before GAE.")
-    reward_clip: float | None = _f(None, "Clip reward-model scores to ±this value.", gt=0.0)
     missing_eos_penalty: float | None = _f(
-        None, "Subtract this from the score of responses that never end.", ge=0.0
+        None,
+        "Subtract this from the score of responses that never end (the EOS trick; TRL's examples "
+        "use 1.0). Applied before `score_norm` and `reward_clip`.",
+        ge=0.0,
+    )
+    score_norm: bool = _f(
+        False,
+        "Normalise scores by running mean and std over all iterations (TRL's `use_score_norm`, "
+        "OpenRLHF's `normalize_reward`), before `reward_clip`.",
+    )
+    reward_clip: float | None = _f(
+        None, "Clip the (penalised, normalised) scores to ±this value.", gt=0.0
     )
     value_model: Literal["shared", "separate"] = _f(
         "shared", "Value head on the policy's backbone, or a separate critic model."
