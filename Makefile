@@ -44,6 +44,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_ppo.py --out bench/ppo.json
+	$(PY) bench/bench_memory.py --out bench/ppo.json
 
 bench-peer: $(STAMP)
 	$(PY) bench/bench_peer.py --out bench/peer.json

@@ -7,19 +7,39 @@ second backend (vLLM) implements the same `generate` without its callers changin
 
 The facts that make sampled tokens and their log-probs agree live here too, so that every
 forward pass scores a token under the distribution it was drawn from:
+- the sampler is built from the recipe alone (`generation_config` plus `sampling_warpers`):
+  nothing in the checkpoint's `generation_config.json` (a `repetition_penalty`, `top_k: 50`, bad
+  words) shapes the samples;
+- log-probs apply the sampler's own warpers (temperature, top-k, top-p, transformers' classes)
+  to the training forward's logits, so the ratio, the KL and the loss see the truncated
+  distribution that was sampled; the sampled token is always kept in the support, so a later
+  policy whose nucleus moved still gives it a finite log-prob;
+- the backend records each sampled token's log-prob under the processed scores it was drawn
+  from (`Generations.sampler_logprobs`), so PPO can log the largest disagreement with the
+  training forward (`rollout/logprob_mismatch`);
 - positions count real tokens only, exactly as `generate()` numbers left-padded rows;
-- log-probs divide the logits by the sampling temperature, as the sampler did;
 - response masks come from generated lengths (first stop token, included), never from
   `== pad_token_id`, so a real EOS survives when pad equals EOS (Huang et al. 2023).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from rlhf_cli.recipe import GenerationSection
 
@@ -35,6 +55,7 @@ class Generations:
     response_mask: Tensor  # (b, r) bool, True up to and including the first stop token
     ended: Tensor  # (b,) bool: the response has a stop token
     texts: list[str]  # decoded responses, special tokens dropped, stripped
+    sampler_logprobs: Tensor | None  # (b, r) each token's log-prob as the sampler drew it
 
     @property
     def input_ids(self) -> Tensor:
@@ -63,19 +84,32 @@ class Generator(Protocol):
 def tokenize_prompts(
     tokenizer: Any, prompts: list[str], chat: bool, max_tokens: int
 ) -> list[list[int]]:
-    """Token ids of each prompt (chat template with the generation prompt when `chat`),
-    truncated from the left to `max_tokens` so the generation prompt survives."""
-    if chat and tokenizer.chat_template:
-        texts = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+    """Token ids of each prompt (chat template with the generation prompt when `chat`), at most
+    `max_tokens`. A long prompt loses the start of its own text, inside the template: BOS, the
+    chat header and the generation prompt always survive."""
+    return [_prompt_ids(tokenizer, prompt, chat, max_tokens) for prompt in prompts]
+
+
+def _prompt_ids(tokenizer: Any, prompt: str, chat: bool, max_tokens: int) -> list[int]:
+    def wrap(text: str) -> list[int]:
+        if chat and tokenizer.chat_template:
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
             )
-            for p in prompts
-        ]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(prompts)["input_ids"]
-    return [q[-max_tokens:] for q in ids]
+            return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        return tokenizer(text)["input_ids"]
+
+    ids = wrap(prompt)
+    if len(ids) <= max_tokens:
+        return ids
+    text_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    budget = max_tokens - (len(ids) - len(text_ids))  # what the template itself takes
+    while budget > 0:  # piece boundaries can tokenise differently: shrink until it fits
+        ids = wrap(tokenizer.decode(text_ids[-budget:]))
+        if len(ids) <= max_tokens:
+            return ids
+        budget -= len(ids) - max_tokens
+    return ids[-max_tokens:]  # the template alone is longer than max_tokens
 
 
 def left_pad(queries: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -130,13 +164,17 @@ def position_ids_from(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """Logits (b, t, vocab) of a causal LM at generation's positions, without a KV cache."""
+def forward_logits(
+    model: Any, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0
+) -> Tensor:
+    """Logits (b, t, vocab) of a causal LM at generation's positions, without a KV cache; with
+    `logits_to_keep` only the last that many positions (b, logits_to_keep, vocab)."""
     return model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from(attention_mask),
         use_cache=False,
+        logits_to_keep=logits_to_keep,
     ).logits
 
 
@@ -152,19 +190,133 @@ def score_temperature(gen: GenerationSection) -> float:
     return gen.temperature if gen.do_sample else 1.0
 
 
-def response_logprobs(
-    logits: Tensor, response_ids: Tensor, query_width: int, temperature: float
-) -> tuple[Tensor, Tensor]:
-    """Log-probs (b, r) of the response tokens and the scaled logits (b, r, vocab) they come from.
+def sampling_warpers(gen: GenerationSection) -> Any:
+    """The sampler's logits warpers (transformers' own classes, in `generate`'s order:
+    temperature, top-k, top-p); empty for greedy decoding."""
+    warpers = LogitsProcessorList()
+    if not gen.do_sample:
+        return warpers
+    if gen.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(gen.temperature))
+    if gen.top_k:
+        warpers.append(TopKLogitsWarper(top_k=gen.top_k))
+    if gen.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=gen.top_p))
+    return warpers
 
-    logits (b, p + r, vocab) of the whole sequence; position p-1+i predicts response token i.
+
+LOGPROB_CHUNK_ROWS = 128  # token positions per chunk of the warped log-softmax
+
+
+def response_logprobs(
+    logits: Tensor, response_ids: Tensor, gen: GenerationSection
+) -> tuple[Tensor, Tensor]:
+    """Log-probs (b, r) of the response tokens under the distribution the sampler drew them
+    from, and the temperature-scaled logits (b, r, vocab) (the full distribution, for entropy).
+
+    logits (b, r, vocab) are the ones predicting each response token (`response_logits`). The
+    sampler's warpers are applied row by row; the sampled token is put back into the support if
+    they cut it (a policy that moved since sampling), so its log-prob stays finite. The work
+    runs in chunks of `LOGPROB_CHUNK_ROWS` positions; with autograd on, each chunk is recomputed
+    in the backward pass instead of keeping its fp32 copies, sort and log-softmax alive.
     """
-    width = response_ids.shape[1]
-    step_logits = logits[:, query_width - 1 : query_width - 1 + width].float() / temperature
-    return logprobs_from_logits(step_logits, response_ids), step_logits
+    b, r, vocab = logits.shape
+    flat_logits, flat_ids = logits.reshape(-1, vocab), response_ids.reshape(-1)
+    recompute = torch.is_grad_enabled() and logits.requires_grad
+    chunks = []
+    for start in range(0, flat_ids.numel(), LOGPROB_CHUNK_ROWS):
+        rows = slice(start, start + LOGPROB_CHUNK_ROWS)
+        if recompute:
+            chunks.append(torch.utils.checkpoint.checkpoint(
+                _warped_logprobs, flat_logits[rows], flat_ids[rows], gen, use_reentrant=False
+            ))  # fmt: skip
+        else:
+            chunks.append(_warped_logprobs(flat_logits[rows], flat_ids[rows], gen))
+    logprobs = torch.cat(chunks).view(b, r) if chunks else logits.new_zeros(b, r).float()
+    return logprobs, logits.float() / score_temperature(gen)
+
+
+def _warped_logprobs(logits: Tensor, token_ids: Tensor, gen: GenerationSection) -> Tensor:
+    """(n,) log-probs of `token_ids` (n,) under the warped softmax of `logits` (n, vocab)."""
+    scaled = logits.float() / score_temperature(gen)
+    warpers = sampling_warpers(gen)
+    if all(isinstance(w, TemperatureLogitsWarper) for w in warpers):
+        return logprobs_from_logits(scaled, token_ids)
+    ids = token_ids[:, None]
+    processed = warpers(None, logits.float()).scatter(-1, ids, scaled.gather(-1, ids))
+    return logprobs_from_logits(processed, token_ids)
+
+
+def response_logits(
+    model: Any, input_ids: Tensor, attention_mask: Tensor, response_width: int
+) -> Tensor:
+    """Logits (b, r, vocab) that predict the last `response_width` tokens of `input_ids`, from a
+    forward that only materialises those positions (`logits_to_keep`)."""
+    logits = forward_logits(model, input_ids, attention_mask, logits_to_keep=response_width + 1)
+    return logits[:, :-1]
 
 
 # ── backends ────────────────────────────────────────────────────────────────────────────────────
+
+
+def generation_config(gen: GenerationSection, stop_ids: list[int], pad_id: int) -> Any:
+    """A complete `GenerationConfig` from the recipe. Sampling itself (temperature, top-k,
+    top-p) is left neutral here and done by `sampling_warpers`, so the processors that run are
+    exactly the ones `response_logprobs` reproduces."""
+    return GenerationConfig(
+        max_new_tokens=gen.max_new_tokens,
+        do_sample=gen.do_sample,
+        num_beams=1,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        typical_p=1.0,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        min_length=0,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_id,
+        use_cache=True,
+        return_dict_in_generate=False,
+    )
+
+
+@contextlib.contextmanager
+def checkpoint_settings_off(model: Any) -> Iterator[None]:
+    """`generate` fills every setting the call leaves unset from the model's own
+    `generation_config` (the checkpoint's `generation_config.json`); a blank one stands in for
+    it while we sample, so nothing but the recipe shapes the samples."""
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    saved = target.generation_config
+    target.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        target.generation_config = saved
+
+
+class SampledLogprobs(LogitsProcessor):
+    """Last in the sampler's list: keeps the log-softmax of each step's processed scores and,
+    when the next step shows which token was drawn, that token's log-prob."""
+
+    def __init__(self) -> None:
+        self.pending: Tensor | None = None
+        self.steps: list[Tensor] = []
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        self._take(input_ids[:, -1])
+        self.pending = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def _take(self, tokens: Tensor) -> None:
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(1, tokens[:, None]).squeeze(1))
+            self.pending = None
+
+    def result(self, last_tokens: Tensor) -> Tensor:
+        """(b, steps): the log-prob of every generated token under the scores it came from."""
+        self._take(last_tokens)
+        return torch.stack(self.steps, dim=1)
 
 
 @dataclass
@@ -181,20 +333,16 @@ class HFGenerator:
         pad_id = self.tokenizer.pad_token_id
         device = next(self.model.parameters()).device
         query_ids, query_mask = left_pad(queries, pad_id, device)
-        sample = gen.do_sample
-        output = self.model.generate(
-            input_ids=query_ids,
-            attention_mask=query_mask,
-            max_new_tokens=gen.max_new_tokens,
-            do_sample=sample,
-            temperature=gen.temperature if sample else None,
-            top_p=gen.top_p if sample else None,
-            top_k=gen.top_k if sample else None,
-            eos_token_id=self.stop_ids,
-            pad_token_id=pad_id,
-            use_cache=True,
-        )
+        recorder = SampledLogprobs()
+        with checkpoint_settings_off(self.model):
+            output = self.model.generate(
+                input_ids=query_ids,
+                attention_mask=query_mask,
+                generation_config=generation_config(gen, self.stop_ids, pad_id),
+                logits_processor=LogitsProcessorList([*sampling_warpers(gen), recorder]),
+            )
         response_ids = output[:, query_ids.shape[1] :]
+        sampler_logprobs = recorder.result(response_ids[:, -1])
         response_mask, ended = response_mask_from(response_ids, self.stop_ids)
         width = max(int(response_mask.sum(1).max()), 1)
         response_ids, response_mask = response_ids[:, :width], response_mask[:, :width]
@@ -206,6 +354,7 @@ class HFGenerator:
             response_mask,
             ended,
             decode(self.tokenizer, response_ids, response_mask),
+            sampler_logprobs[:, :width],
         )
 
 

@@ -132,18 +132,19 @@ def lora_config(lora: LoraSection, task_type: str, no_dropout: bool = False) -> 
     )
 
 
-def load_causal_lm(
-    name_or_path: str, model_cfg: ModelSection, device: torch.device, *, trainable: bool = True
+def _load_weights(
+    cls: Any,
+    name_or_path: str,
+    model_cfg: ModelSection,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
 ) -> Any:
-    """Base weights (4-bit if asked); when `trainable`, a fresh LoRA adapter if
-    `model.lora.enabled` (on 4-bit weights prepared for k-bit training). Frozen otherwise."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM
-
+    """Base weights in `dtype` (default: the recipe's), 4-bit if asked, on the device (or the
+    recipe's device_map)."""
     path = resolve_model_path(name_or_path)
     quant = bnb_config(model_cfg.quantization, device)
     kwargs: dict[str, Any] = {
-        "dtype": resolve_dtype(model_cfg.dtype, device),
+        "dtype": dtype or resolve_dtype(model_cfg.dtype, device),
         "trust_remote_code": model_cfg.trust_remote_code,
     }
     if quant is not None:
@@ -151,18 +152,134 @@ def load_causal_lm(
         kwargs["device_map"] = model_cfg.device_map or {"": str(device)}
     elif model_cfg.device_map:
         kwargs["device_map"] = model_cfg.device_map
-    model = _from_pretrained(AutoModelForCausalLM, path, **kwargs)
+    model = _from_pretrained(cls, path, **kwargs)
     if quant is not None:
         assert_quantised(model, name_or_path)
     elif not model_cfg.device_map:
         model.to(device)
-    if quant is not None and trainable:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    if model_cfg.lora.enabled and trainable:
-        model = get_peft_model(model, lora_config(model_cfg.lora, "CAUSAL_LM"))
-    if not trainable:
-        freeze(model)
     return model
+
+
+def load_causal_lm(
+    name_or_path: str, model_cfg: ModelSection, device: torch.device, *, trainable: bool = True
+) -> Any:
+    """Base weights (4-bit if asked); when `trainable`, made trainable by `make_trainable` (a
+    fresh LoRA adapter if `model.lora.enabled`, else every weight, loaded in fp32). Frozen
+    otherwise, in the recipe's dtype."""
+    from transformers import AutoModelForCausalLM
+
+    if not trainable:
+        return freeze(_load_weights(AutoModelForCausalLM, name_or_path, model_cfg, device))
+    return _load_trainable(AutoModelForCausalLM, "CAUSAL_LM", name_or_path, model_cfg, device)
+
+
+def load_backbone(name_or_path: str, model_cfg: ModelSection, device: torch.device) -> Any:
+    """A separate critic's transformer (no LM head), trainable under the policy's settings
+    (`make_trainable`: 4-bit base + LoRA, LoRA, or every weight in fp32), LoRA dropout off. It
+    never generates, so its KV cache is off."""
+    from transformers import AutoModel
+
+    backbone = _load_trainable(
+        AutoModel, "FEATURE_EXTRACTION", name_or_path, model_cfg, device, no_dropout=True
+    )
+    backbone.config.use_cache = False
+    return backbone
+
+
+def _load_trainable(
+    cls: Any,
+    task_type: str,
+    name_or_path: str,
+    model_cfg: ModelSection,
+    device: torch.device,
+    no_dropout: bool = False,
+) -> Any:
+    full = not model_cfg.lora.enabled  # every weight trains: load fp32 master weights
+    model = _load_weights(cls, name_or_path, model_cfg, device, torch.float32 if full else None)
+    return make_trainable(model, model_cfg, task_type, no_dropout=no_dropout)
+
+
+def make_trainable(
+    model: Any, model_cfg: ModelSection, task_type: str, *, no_dropout: bool = False
+) -> Any:
+    """`model` made trainable under the recipe's settings, with fp32 master weights for
+    whatever trains (compute may still run in half precision, under autocast):
+
+    - 4-bit base: prepared for k-bit training (frozen, the other weights fp32) and given LoRA;
+    - LoRA: a fresh adapter, the base frozen in its dtype (peft upcasts the adapter to fp32,
+      `autocast_adapter_dtype`; `upcast_trainable` makes sure of it);
+    - neither: every weight trains, in fp32.
+
+    With `model.gradient_checkpointing`, non-reentrant activation checkpointing (it acts only in
+    train mode). `no_dropout`: LoRA dropout off (PPO)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    quantised = bool(getattr(model, "is_loaded_in_4bit", False))
+    if quantised and not model_cfg.lora.enabled:
+        raise ModelLoadError(
+            "4-bit weights cannot be trained directly: set model.lora.enabled: true, "
+            "or model.quantization.load_in_4bit: false"
+        )
+    if model_cfg.gradient_checkpointing:
+        enable_checkpointing(model)
+    if quantised:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if model_cfg.lora.enabled:
+        model = get_peft_model(model, lora_config(model_cfg.lora, task_type, no_dropout))
+    else:
+        model.requires_grad_(True)
+    upcast_trainable(model)
+    return model
+
+
+def enable_checkpointing(model: Any) -> None:
+    """Non-reentrant activation (gradient) checkpointing on a transformers model or its peft
+    wrapper: it recomputes each layer in the backward pass, when the model is in train mode.
+    (transformers 5 names it `activation_checkpointing_enable`; `gradient_checkpointing_enable`
+    is its deprecated alias.)"""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def is_checkpointing(model: Any) -> bool:
+    """Whether activation checkpointing is on (on the model, or the base under its adapter)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules())
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def upcast_trainable(model: nn.Module) -> nn.Module:
+    """fp32 master weights for every trainable parameter still in half precision: peft keeps
+    LoRA A/B in fp32 on a half-precision base but not a `modules_to_save` head (the reward
+    model's score), and TRL's SFTTrainer casts a QLoRA adapter to bf16. A module whose own
+    weights are upcast casts its floating inputs to fp32 (its output stays fp32: meant for
+    heads), so it also runs outside autocast, e.g. when scoring."""
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad and p.dtype in HALF]
+        for param in own:
+            param.data = param.data.float()
+        if own and not getattr(module, "_fp32_inputs", False):
+            module.register_forward_pre_hook(_inputs_to_fp32)
+            module._fp32_inputs = True
+    return model
+
+
+def _inputs_to_fp32(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.float() if isinstance(a, Tensor) and a.dtype in HALF else a for a in args)
+
+
+def mixed_precision(dtype: torch.dtype, device: torch.device) -> str:
+    """accelerate's `mixed_precision` for a compute dtype: autocast to bf16 / fp16 on CUDA over
+    fp32 master weights; "no" elsewhere (the CPU computes in each weight's own dtype)."""
+    if device.type != "cuda":
+        return "no"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
 
 
 def load_sft_model(
@@ -229,24 +346,41 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
+DROPOUT_MODULES = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
+
 def set_dropout(model: torch.nn.Module, p: float) -> None:
-    """Set every dropout probability (PPO turns dropout off: log-probs must be deterministic)."""
+    """Set every dropout probability to `p`, in train mode too (PPO turns dropout off: its ratio
+    needs deterministic log-probs, and its update runs in train mode, where gradient
+    checkpointing acts). Three places hold a rate: dropout modules (`p`), rates a module copied
+    from its config when it was built and reads in forward (Llama attention's
+    `attention_dropout`), and the configs themselves (read by code that runs later)."""
     for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
+        if isinstance(module, DROPOUT_MODULES):
             module.p = p
+        _set_rates(module, p)
     for config in {id(c): c for c in _configs(model)}.values():
-        for key in (
-            "attention_dropout",
-            "hidden_dropout",
-            "hidden_dropout_prob",
-            "attention_probs_dropout_prob",
-            "dropout",
-            "resid_pdrop",
-            "embd_pdrop",
-            "attn_pdrop",
-        ):
-            if hasattr(config, key):
-                setattr(config, key, p)
+        _set_rates(config, p)
+
+
+def _is_rate(name: str, value: Any) -> bool:
+    """A dropout rate by name (`dropout`, `attention_dropout`, `hidden_dropout_prob`,
+    `resid_pdrop`, ...) holding a number (not a flag, a module or None)."""
+    named = "dropout" in name or name.endswith("pdrop")
+    return named and isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _set_rates(obj: Any, p: float) -> None:
+    for name, value in list(vars(obj).items()):
+        if _is_rate(name, value):
+            setattr(obj, name, p)
 
 
 def _configs(model: torch.nn.Module) -> list[Any]:

@@ -125,7 +125,9 @@ class ModelSection(Section):
     tokenizer: str | None = _f(None, "Tokenizer id or folder when it differs from the model.")
     trust_remote_code: bool = _f(False, "Run modelling code shipped with the checkpoint.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
-        "auto", "Weights dtype: `auto` is bfloat16 on CUDA and float32 on the CPU."
+        "auto",
+        "dtype of frozen weights and of the compute (autocast): `auto` is bfloat16 on CUDA and "
+        "float32 on the CPU. Trained weights (LoRA, value head, full fine-tuning) stay float32.",
     )
     device_map: str | None = _f(
         None, "transformers `device_map` (e.g. `auto`); default: one device."

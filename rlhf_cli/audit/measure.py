@@ -14,14 +14,13 @@ from rlhf_cli.audit.detectors import audit_responses
 from rlhf_cli.generation import (
     Generations,
     Generator,
-    forward_logits,
     generator_for,
+    response_logits,
     response_logprobs,
-    score_temperature,
     tokenize_prompts,
 )
 from rlhf_cli.modeling import Reference
-from rlhf_cli.recipe import AuditSection
+from rlhf_cli.recipe import AuditSection, GenerationSection
 from rlhf_cli.scoring import RewardScorer
 
 ACTION = "Increase KL coefficient (β) by {step} and recheck in 25 iterations."
@@ -39,18 +38,18 @@ def _sample(
 
 @torch.inference_mode()
 def _kl_to_reference(
-    model: Any, reference: Reference, batches: list[Generations], temperature: float
+    model: Any, reference: Reference, batches: list[Generations], gen: GenerationSection
 ) -> float:
-    """Mean over responses of Σ_t (log π − log π_ref) on the policy's own samples."""
+    """Mean over responses of Σ_t (log π − log π_ref) on the policy's own samples, both under
+    the distribution the sampler draws from (`gen`)."""
     totals = []
     for answers in batches:
-        ids, mask, width = answers.input_ids, answers.attention_mask, answers.query_ids.shape[1]
-        logp, _ = response_logprobs(
-            forward_logits(model, ids, mask), answers.response_ids, width, temperature
-        )
-        ref_logp, _ = response_logprobs(
-            reference.logits(ids, mask), answers.response_ids, width, temperature
-        )
+        ids, mask, width = answers.input_ids, answers.attention_mask, answers.response_ids.shape[1]
+        logits = response_logits(model, ids, mask, width)
+        logp, _ = response_logprobs(logits, answers.response_ids, gen)
+        with reference.model() as ref:
+            ref_logits = response_logits(ref, ids, mask, width)
+        ref_logp, _ = response_logprobs(ref_logits, answers.response_ids, gen)
         totals.append(((logp - ref_logp) * answers.response_mask).sum(1))
     return float(torch.cat(totals).mean())
 
@@ -79,8 +78,7 @@ def audit_policy(
     if scorer is not None:
         report["reward_policy_mean"] = float(scorer.score(asked, responses)[0].mean())
     if reference is not None:
-        temperature = score_temperature(cfg.generation)
-        report["kl_to_reference"] = _kl_to_reference(model, reference, batches, temperature)
+        report["kl_to_reference"] = _kl_to_reference(model, reference, batches, cfg.generation)
         if scorer is not None:
             with reference.model() as ref:
                 ref_batches = _sample(generator_for(ref, tokenizer), queries, cfg, batch_size)

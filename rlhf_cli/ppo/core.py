@@ -223,11 +223,13 @@ def ppo_policy_loss(
 
 def ppo_value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange_value: float
-) -> Tensor:
-    """Clipped value loss. [TRL ``loss``, Huang]
+) -> tuple[Tensor, Tensor]:
+    """Clipped value loss and its clip fraction. [TRL ``loss``, Huang]
 
     ``values_clipped = old_values + clamp(values - old_values, -c, c)``;
-    ``loss = 0.5 * masked_mean(max((values - returns)^2, (values_clipped - returns)^2))``.
+    ``loss = 0.5 * masked_mean(max((values - returns)^2, (values_clipped - returns)^2))``;
+    ``clipfrac = masked_mean((values_clipped - returns)^2 > (values - returns)^2)``: the share of
+    tokens where the clipped term is the one taken (TRL's ``vf_clipfrac``).
 
     Args:
         values: ``(b, response_len)`` current value predictions.
@@ -237,14 +239,15 @@ def ppo_value_loss(
         cliprange_value: c.
 
     Returns:
-        Scalar tensor.
+        (loss, clipfrac), scalar tensors.
     """
     values_clipped = old_values + torch.clamp(
         values - old_values, -cliprange_value, cliprange_value
     )
     vf_losses1 = (values - returns) ** 2
     vf_losses2 = (values_clipped - returns) ** 2
-    return 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+    loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+    return loss, masked_mean((vf_losses2 > vf_losses1).to(values.dtype), mask)
 
 
 # --------------------------------------------------------------------------- logits, diagnostics
@@ -363,3 +366,46 @@ class FixedKLController(_KLController):
     def load_state_dict(self, d: dict[str, float]) -> None:
         """Restore state saved by :meth:`state_dict`."""
         self._value = float(d["value"])
+
+
+# --------------------------------------------------------------------------- score normalisation
+
+
+class RunningMoments:
+    """Running mean and (unbiased) standard deviation of every score seen, merged batch by
+    batch with Chan et al.'s parallel update. [TRL ``RunningMoments``, OpenRLHF
+    ``normalize_reward``]"""
+
+    def __init__(self) -> None:
+        self.mean, self.var, self.count = 0.0, 1.0, 0
+
+    def update(self, x: Tensor) -> None:
+        """Fold in a batch ``(n,)`` of scores."""
+        x = x.detach().double().flatten()
+        n = x.numel()
+        if n == 0:
+            return
+        batch_mean = float(x.mean())
+        batch_m2 = float(((x - batch_mean) ** 2).sum())
+        total = self.count + n
+        delta = batch_mean - self.mean
+        m2 = self.var * max(self.count - 1, 0) + batch_m2 + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.var = m2 / (total - 1) if total > 1 else 1.0
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return self.var**0.5
+
+    def normalize(self, x: Tensor) -> Tensor:
+        """``(x - mean) / (std + 1e-8)`` with the moments as they stand."""
+        return (x - self.mean) / (self.std + WHITEN_EPS)
+
+    def state_dict(self) -> dict[str, float]:
+        """State for checkpointing."""
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, d: dict[str, float]) -> None:
+        """Restore state saved by :meth:`state_dict`."""
+        self.mean, self.var, self.count = float(d["mean"]), float(d["var"]), int(d["count"])

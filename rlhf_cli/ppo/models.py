@@ -37,7 +37,9 @@ class ValueModel(nn.Module):
 
 
 class PolicyAndValue(nn.Module):
-    """Actor + critic. `forward` returns (logits (b, t, vocab), values (b, t))."""
+    """Actor + critic. `forward` returns, for the last `response_width` tokens of each row, the
+    logits that predict them (b, r, vocab) and the values of the states they are taken in (b, r):
+    position p-1+i predicts response token i. Only those logits are materialised."""
 
     def __init__(
         self,
@@ -50,7 +52,9 @@ class PolicyAndValue(nn.Module):
             raise ValueError("give exactly one of value_head (shared) or critic (separate)")
         self.policy, self.value_head, self.critic = policy, value_head, critic
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, response_width: int
+    ) -> tuple[Tensor, Tensor]:
         position_ids = position_ids_from(attention_mask)
         shared = self.critic is None
         out = self.policy(
@@ -59,13 +63,15 @@ class PolicyAndValue(nn.Module):
             position_ids=position_ids,
             output_hidden_states=shared,
             use_cache=False,
+            logits_to_keep=response_width + 1,
         )
+        states = slice(-(response_width + 1), -1)
         if shared:
-            hidden = out.hidden_states[-1]
+            hidden = out.hidden_states[-1][:, states]
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
         else:
-            values = self.critic(input_ids, attention_mask, position_ids)
-        return out.logits, values
+            values = self.critic(input_ids, attention_mask, position_ids)[:, states]
+        return out.logits[:, :-1], values.float()
 
     def value_state_dict(self) -> dict[str, Tensor]:
         module = self.value_head if self.critic is None else self.critic

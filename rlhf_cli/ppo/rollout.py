@@ -1,23 +1,26 @@
 """Rollout: PPO's experience for one iteration. Answers come from the generation module; here
-they are scored by the reward model (clipped, penalised when unended) and evaluated once by the
-policy, value head and reference, all under inference mode.
+they are scored by the reward model (penalised when unended, optionally normalised, clipped) and
+evaluated once by the policy, value head and reference, all under inference mode.
 
 The details that decide whether PPO works (Huang et al. 2023, "The N implementation details"):
 - the score goes on the last real response token, never on a pad after it (core.py);
 - the policy, value and reference passes see generation's left-padded positions and score
-  tokens with the sampling temperature (generation.py).
+  tokens under the distribution the sampler drew them from: temperature, top-k and top-p as
+  the recipe sets them (generation.py); `logprob_mismatch` measures how well that holds.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from rlhf_cli.generation import Generations, Generator, response_logprobs, score_temperature
+from rlhf_cli.generation import Generations, Generator, response_logits, response_logprobs
 from rlhf_cli.modeling import Reference
+from rlhf_cli.ppo.core import RunningMoments
 from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.recipe import PpoSection
 from rlhf_cli.scoring import RewardScorer
@@ -47,14 +50,25 @@ class Rollout(Generations):
         }
 
 
-def penalised_scores(raw_scores: Tensor, ended: Tensor, cfg: PpoSection) -> Tensor:
-    """Scores (b,) used for training: clipped to ±`reward_clip`, minus `missing_eos_penalty`
-    for responses (ended (b,) False) that never stopped."""
+def shaped_scores(
+    raw_scores: Tensor,
+    ended: Tensor,
+    cfg: PpoSection,
+    moments: RunningMoments | None = None,
+    gather: Callable[[Tensor], Tensor] = lambda x: x,
+) -> Tensor:
+    """Scores (b,) used for training, in this order: `missing_eos_penalty` subtracted from
+    responses that never stopped (ended (b,) False), then the running normalisation
+    (`score_norm`: `moments` updated with every process's scores, through `gather`), then the
+    clip to ±`reward_clip`, so a clipped score stays within the clip."""
     scores = raw_scores.clone()
-    if cfg.reward_clip is not None:
-        scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
     if cfg.missing_eos_penalty is not None:
         scores = scores - cfg.missing_eos_penalty * (~ended.cpu()).float()
+    if moments is not None:
+        moments.update(gather(scores))
+        scores = moments.normalize(scores).float()
+    if cfg.reward_clip is not None:
+        scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
     return scores
 
 
@@ -67,6 +81,8 @@ def collect_rollout(
     prompts: list[str],
     queries: list[list[int]],
     cfg: PpoSection,
+    moments: RunningMoments | None = None,
+    gather: Callable[[Tensor], Tensor] = lambda x: x,
 ) -> Rollout:
     """Generate, score and evaluate one batch of prompts (b = len(prompts))."""
     device = next(actor.parameters()).device
@@ -81,23 +97,25 @@ def collect_rollout(
     # 2. Score decoded text with the reward model's own tokenizer, in batches.
     start = time.perf_counter()
     raw_scores, n_truncated = scorer.score(prompts, answers.texts)
-    scores = penalised_scores(raw_scores, answers.ended, cfg)
+    scores = shaped_scores(raw_scores, answers.ended, cfg, moments, gather)
     timings["time/score_s"] = time.perf_counter() - start
 
-    # 3. Old log-probs and values (one pass), reference log-probs (adapter off).
+    # 3. Old log-probs and values (one pass), reference log-probs (adapter off), each under the
+    #    distribution the sampler drew from.
     start = time.perf_counter()
     input_ids, attention_mask = answers.input_ids, answers.attention_mask
-    temperature = score_temperature(cfg.generation)
     parts: dict[str, list[Tensor]] = {"logprobs": [], "values": [], "ref_logprobs": []}
-    p, width, step = answers.query_ids.shape[1], answers.response_ids.shape[1], cfg.mini_batch_size
+    width, step = answers.response_ids.shape[1], cfg.mini_batch_size
     for s in range(0, len(prompts), step):
         ids, mask = input_ids[s : s + step], attention_mask[s : s + step]
         resp = answers.response_ids[s : s + step]
-        logits, values = actor(ids, mask)
-        parts["logprobs"].append(response_logprobs(logits, resp, p, temperature)[0])
-        parts["values"].append(values[:, p - 1 : p - 1 + width].float())
-        ref_logits = reference.logits(ids, mask)
-        parts["ref_logprobs"].append(response_logprobs(ref_logits, resp, p, temperature)[0])
+        logits, values = actor(ids, mask, width)
+        parts["logprobs"].append(response_logprobs(logits, resp, cfg.generation)[0])
+        parts["values"].append(values)
+        with reference.model() as ref:
+            ref_logits = response_logits(ref, ids, mask, width)
+        parts["ref_logprobs"].append(response_logprobs(ref_logits, resp, cfg.generation)[0])
+        del logits, ref_logits
     timings["time/logprobs_s"] = time.perf_counter() - start
     return Rollout(
         **vars(answers),
@@ -108,3 +126,12 @@ def collect_rollout(
         n_truncated=n_truncated,
         timings=timings,
     )
+
+
+def logprob_mismatch(rollout: Rollout) -> float:
+    """Largest |log-prob as the sampler drew the token - log-prob of the training forward| over
+    the batch's response tokens (0 when the backend records none)."""
+    if rollout.sampler_logprobs is None or not rollout.response_mask.any():
+        return 0.0
+    diff = (rollout.sampler_logprobs.to(rollout.logprobs.device) - rollout.logprobs).abs()
+    return float(diff[rollout.response_mask].max())

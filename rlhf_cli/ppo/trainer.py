@@ -20,13 +20,13 @@ import torch
 from rich.console import Console
 
 from rlhf_cli.errors import CheckpointWriteError, NonFiniteError
-from rlhf_cli.generation import Generator, response_logprobs, score_temperature
+from rlhf_cli.generation import Generator, response_logprobs
 from rlhf_cli.modeling import Reference
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.checkpoint import save_checkpoint
 from rlhf_cli.ppo.health import RANGES, HealthMonitor
 from rlhf_cli.ppo.models import PolicyAndValue
-from rlhf_cli.ppo.rollout import Rollout, collect_rollout
+from rlhf_cli.ppo.rollout import Rollout, collect_rollout, logprob_mismatch
 from rlhf_cli.recipe import PpoSection
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.tracking import MetricsWriter, make_progress
@@ -54,6 +54,7 @@ class PPOContext:
     samples: MetricsWriter
     console: Console
     health: HealthMonitor = field(default_factory=HealthMonitor)
+    score_moments: core.RunningMoments | None = None  # `ppo.score_norm`
     history: list[dict[str, Any]] = field(default_factory=list)
     on_warning: Callable[[str], None] = print
     max_nonfinite: int = 3
@@ -91,15 +92,53 @@ def advantages_of(rollout: Rollout, kl_coef: float, cfg: PpoSection) -> tuple[to
     return rewards, kl, core.masked_whiten(advantages, mask), returns
 
 
+def minibatch_loss(
+    cfg: PpoSection,
+    actor: Any,
+    rollout: Rollout,
+    idx: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The PPO loss of rollouts `idx` (b_mb of them) under the current policy, and its parts.
+
+    Log-probs are those of the sampled distribution (generation.response_logprobs). The entropy
+    bonus stays out of the autograd graph when its coefficient is 0: at a 32k vocabulary it
+    would keep a (b_mb, r, vocab) tensor alive for nothing."""
+    batch = rollout.select(idx)
+    mask = batch["response_mask"]
+    logits, values = actor(batch["input_ids"], batch["attention_mask"], mask.shape[1])
+    logprobs, scaled_logits = response_logprobs(logits, batch["response_ids"], cfg.generation)
+    pg_loss, clipfrac = core.ppo_policy_loss(
+        logprobs, rollout.logprobs[idx], advantages[idx], mask, cfg.cliprange
+    )
+    vf_loss, vf_clipfrac = core.ppo_value_loss(
+        values, rollout.values[idx], returns[idx], mask, cfg.cliprange_value
+    )
+    with nullcontext() if cfg.entropy_coef > 0 else torch.no_grad():
+        entropy = core.masked_mean(core.entropy_from_logits(scaled_logits), mask)
+    loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy
+    parts = {
+        "ppo/loss/policy": pg_loss,
+        "ppo/loss/value": vf_loss,
+        "ppo/loss/total": loss,
+        "objective/clipfrac": clipfrac,
+        "ppo/policy/entropy": entropy,
+        "ppo/policy/approxkl": core.approx_kl(logprobs, rollout.logprobs[idx], mask),
+        "ppo/val/clipfrac": vf_clipfrac,
+    }
+    return loss, parts
+
+
 def ppo_update(
     ctx: PPOContext, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor
 ) -> dict[str, float]:
     """`ppo_epochs` passes over shuffled mini-batches; an optimizer step every
-    `gradient_accumulation_steps` mini-batches; non-finite losses skip their mini-batch."""
+    `gradient_accumulation_steps` mini-batches; non-finite losses skip their mini-batch.
+    train() mode (gradient checkpointing needs it); dropout is 0 in every module (set at load)."""
     cfg, acc, actor = ctx.cfg, ctx.accelerator, ctx.actor
-    actor.train()  # dropout is 0 everywhere (set at load): train() only matters for norm layers
+    actor.train()
     stats: dict[str, list[float]] = defaultdict(list)
-    width, temperature = rollout.query_ids.shape[1], score_temperature(cfg.generation)
     b = rollout.response_ids.shape[0]
     local_mb = max(1, cfg.mini_batch_size // acc.num_processes)
     params = [p for group in ctx.optimizer.param_groups for p in group["params"]]
@@ -108,23 +147,9 @@ def ppo_update(
         order = torch.randperm(b)
         for start in range(0, b, local_mb):
             idx = order[start : start + local_mb]
-            batch = rollout.select(idx)
-            mask = batch["response_mask"]
             last_micro = (micro + 1) % cfg.gradient_accumulation_steps == 0
             with nullcontext() if last_micro else acc.no_sync(actor):
-                logits, values = actor(batch["input_ids"], batch["attention_mask"])
-                logprobs, step_logits = response_logprobs(
-                    logits, batch["response_ids"], width, temperature
-                )
-                vpred = values[:, width - 1 : width - 1 + mask.shape[1]].float()
-                pg_loss, clipfrac = core.ppo_policy_loss(
-                    logprobs, rollout.logprobs[idx], advantages[idx], mask, cfg.cliprange
-                )
-                vf_loss = core.ppo_value_loss(
-                    vpred, rollout.values[idx], returns[idx], mask, cfg.cliprange_value
-                )
-                entropy = core.masked_mean(core.entropy_from_logits(step_logits), mask)
-                loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy
+                loss, parts = minibatch_loss(cfg, actor, rollout, idx, advantages, returns)
                 finite = acc.reduce(torch.isfinite(loss).float().detach(), "min")
                 if finite.item() < 1:  # every process agrees, or DDP would hang
                     skipped += 1
@@ -136,20 +161,8 @@ def ppo_update(
                 ctx.optimizer.step()
                 ctx.scheduler.step()
                 ctx.optimizer.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                stats["ppo/loss/policy"].append(pg_loss.item())
-                stats["ppo/loss/value"].append(vf_loss.item())
-                stats["ppo/loss/total"].append(loss.item())
-                stats["objective/clipfrac"].append(clipfrac.item())
-                stats["ppo/policy/entropy"].append(entropy.item())
-                stats["ppo/policy/approxkl"].append(
-                    core.approx_kl(logprobs, rollout.logprobs[idx], mask).item()
-                )
-                stats["ppo/val/clipfrac"].append(
-                    core.masked_mean(
-                        ((vpred - rollout.values[idx]).abs() > cfg.cliprange_value).float(), mask
-                    ).item()
-                )
+            for key, value in parts.items():
+                stats[key].append(value.item())
     ctx.optimizer.zero_grad(set_to_none=True)  # a trailing partial accumulation is dropped
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
     out["ppo/skipped_minibatches"] = float(skipped)
@@ -238,7 +251,10 @@ def checkpoint(ctx: PPOContext, iteration: int) -> Path | None:
                 scheduler=ctx.scheduler,
                 kl_ctl=ctx.kl_ctl,
                 sampler=ctx.sampler,
-                extra={"health_seen": sorted(ctx.health.seen)},
+                extra={
+                    "health_seen": sorted(ctx.health.seen),
+                    "score_moments": ctx.score_moments and ctx.score_moments.state_dict(),
+                },
             )
         except OSError as exc:
             previous = sorted(p.name for p in (ctx.stage_dir / "checkpoints").glob("iter_*"))
@@ -285,15 +301,18 @@ def run_iteration(
     t0 = time.perf_counter()
     # 1. Rollout: sample prompts, generate, score, old log-probs, values, reference.
     index = sample_batch(ctx)
-    rollout = collect_rollout(
-        ctx.unwrapped,
-        ctx.reference,
-        ctx.scorer,
-        ctx.generator,
-        [ctx.prompts[i] for i in index],
-        [ctx.queries[i] for i in index],
-        cfg,
-    )
+    with acc.autocast():  # the precision the update computes in (fp32 master weights)
+        rollout = collect_rollout(
+            ctx.unwrapped,
+            ctx.reference,
+            ctx.scorer,
+            ctx.generator,
+            [ctx.prompts[i] for i in index],
+            [ctx.queries[i] for i in index],
+            cfg,
+            ctx.score_moments,
+            lambda x: acc.gather(x.to(acc.device)).cpu(),
+        )
     # 2. Advantages from KL-shaped rewards (β as it stands at this iteration).
     kl_coef = ctx.kl_ctl.value
     rewards, kl, advantages, returns = advantages_of(rollout, kl_coef, cfg)
@@ -306,8 +325,10 @@ def run_iteration(
     if math.isfinite(metrics["objective/kl"]):
         ctx.kl_ctl.update(metrics["objective/kl"], cfg.batch_size)
     n_tokens = float(acc.reduce(rollout.response_mask.sum().float(), "sum"))
+    mismatch = torch.tensor(logprob_mismatch(rollout), device=acc.device)
     metrics.update(
         {
+            "rollout/logprob_mismatch": float(acc.reduce(mismatch, "max")),
             **rollout.timings,
             "time/update_s": update_s,
             "time/iteration_s": time.perf_counter() - t0,

@@ -23,12 +23,21 @@ def seed_everything(seed: int) -> None:
 
 
 def trainer_kwargs(
-    section: Any, device: torch.device, dtype: torch.dtype, out_dir: Path, seed: int
+    section: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    out_dir: Path,
+    seed: int,
+    gradient_checkpointing: bool = False,
 ) -> dict[str, Any]:
     """TrainingArguments shared by SFTConfig and RewardConfig.
 
     On a CPU the TRL configs need `use_cpu=True, bf16=False` (their defaults assume a GPU).
-    Checkpoints are not written by the Trainer: the stage saves its own artifacts.
+    `bf16` / `fp16` on a GPU is autocast over the fp32 weights that train. Checkpoints are not
+    written by the Trainer: the stage saves its own artifacts. Gradient (activation)
+    checkpointing, non-reentrant, follows `model.gradient_checkpointing` (TRL's configs would
+    turn it on by default); transformers 5 names it `activation_checkpointing`, with
+    `gradient_checkpointing` its deprecated alias.
     """
     on_cpu = device.type == "cpu"
     return dict(
@@ -49,6 +58,8 @@ def trainer_kwargs(
         seed=seed,
         data_seed=seed,
         dataloader_num_workers=0,
+        activation_checkpointing=gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False},
     )
 
 

@@ -26,11 +26,14 @@ from rlhf_cli.generation import generator_for, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
     freeze,
+    load_backbone,
     load_reward_model,
     load_sft_model,
     load_tokenizer,
-    lora_config,
+    make_trainable,
+    mixed_precision,
     pick_device,
+    resolve_dtype,
     resolve_model_path,
     set_dropout,
 )
@@ -39,7 +42,7 @@ from rlhf_cli.ppo.checkpoint import load_checkpoint, newest_valid
 from rlhf_cli.ppo.health import HealthMonitor
 from rlhf_cli.ppo.models import PolicyAndValue, ValueModel, hidden_size_of, zero_value_head
 from rlhf_cli.ppo.trainer import PPOContext, summarize, train
-from rlhf_cli.recipe import Recipe
+from rlhf_cli.recipe import PpoSection, Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import seed_everything
@@ -62,7 +65,12 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     from accelerate import Accelerator
 
     run = RunDir.for_recipe(recipe)
-    accelerator = Accelerator(cpu=pick_device(recipe.run.device).type == "cpu")
+    device = pick_device(recipe.run.device)
+    # Trained weights stay fp32; a half-precision recipe computes under autocast (CUDA only).
+    accelerator = Accelerator(
+        cpu=device.type == "cpu",
+        mixed_precision=mixed_precision(resolve_dtype(recipe.model.dtype, device), device),
+    )
     world = accelerator.num_processes
     if recipe.ppo.batch_size % world or recipe.ppo.mini_batch_size % world:
         raise StageError(
@@ -116,13 +124,12 @@ def setup(
 
     # 3. Optimizer, schedule, KL controller, prompt sampler; then resume if asked.
     optimizer, scheduler, kl_ctl, sampler = optimization(recipe, actor)
-    start, seen = 0, []
+    state: dict[str, Any] = {"iteration": 0}
     if not resume and accelerator.is_main_process:  # old checkpoints must not be resumed later
         shutil.rmtree(stage_dir / "checkpoints", ignore_errors=True)
     if resume:
-        start, seen = _resume(
-            record, stage_dir, actor, optimizer, scheduler, kl_ctl, sampler, console
-        )
+        state = _resume(record, stage_dir, actor, optimizer, scheduler, kl_ctl, sampler, console)
+    start = int(state["iteration"])
     prepared_actor, optimizer = accelerator.prepare(actor, optimizer)
 
     # 4. Logs (appended to on resume) and the context the loop reads.
@@ -147,7 +154,8 @@ def setup(
         ),
         samples=MetricsWriter(stage_dir / "samples.jsonl", None, is_main, resume=start > 0),
         console=console,
-        health=HealthMonitor(seen),
+        health=HealthMonitor(state.get("health_seen")),
+        score_moments=score_moments(cfg, state),
         on_warning=record.warn,
         audit=_live_audit(recipe, chat),
         audit_every=recipe.audit.every,
@@ -188,13 +196,15 @@ def save(
 
 
 def optimization(recipe: Recipe, actor: PolicyAndValue) -> tuple[Any, Any, Any, torch.Generator]:
-    """AdamW over the trainable weights (eps from the recipe), a constant schedule, the KL
-    controller (adaptive or fixed β) and the seeded prompt sampler."""
+    """AdamW over the trainable weights (eps and weight decay from the recipe), a constant
+    schedule, the KL controller (adaptive or fixed β) and the seeded prompt sampler."""
     from transformers import get_constant_schedule
 
     cfg = recipe.ppo
     params = [p for p in actor.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, eps=cfg.adam_eps)
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.learning_rate, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+    )
     kl_ctl = (
         core.AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.horizon)
         if cfg.adaptive_kl
@@ -276,7 +286,9 @@ def _resume(
     kl_ctl: Any,
     sampler: torch.Generator,
     console: Console,
-) -> tuple[int, list[str]]:
+) -> dict[str, Any]:
+    """Restore the newest whole checkpoint in place; return its `state.json` (iteration, health
+    rules fired, score moments)."""
     folder, notes = newest_valid(stage_dir / "checkpoints")
     for note in notes:
         console.print(f"[yellow]resume[/]: {note}")
@@ -294,11 +306,38 @@ def _resume(
         kl_ctl=kl_ctl,
         sampler=sampler,
     )
-    actor.load_value_state_dict(value_state)
+    _restore_value(actor, value_state)
     console.print(f"resuming from {folder.name} (iteration {state['iteration']})")
     _truncate_jsonl(stage_dir / "metrics.jsonl", state["iteration"])
     _truncate_jsonl(stage_dir / "samples.jsonl", state["iteration"])
-    return int(state["iteration"]), list(state.get("health_seen", []))
+    return state
+
+
+def score_moments(cfg: PpoSection, state: dict[str, Any]) -> core.RunningMoments | None:
+    """`ppo.score_norm`'s running moments, as a checkpoint left them (or fresh)."""
+    if not cfg.score_norm:
+        return None
+    moments = core.RunningMoments()
+    if state.get("score_moments"):
+        moments.load_state_dict(state["score_moments"])
+    return moments
+
+
+def _restore_value(actor: PolicyAndValue, state: dict[str, torch.Tensor]) -> None:
+    """The value head, or the critic's trained weights (LoRA + head, or all of them), from a
+    checkpoint. A LoRA critic's frozen base is the one just loaded: a 4-bit base's saved
+    quantisation state would not load back into it."""
+    if actor.critic is None:
+        actor.load_value_state_dict(state)
+        return
+    trained = {n for n, p in actor.critic.named_parameters() if p.requires_grad}
+    missing = sorted(trained - state.keys())
+    if missing:
+        raise StageError(
+            f"the checkpoint's critic lacks {len(missing)} trained weights ({missing[0]}, ...): "
+            "it was written with other model settings; run `rlhf ppo` without --resume"
+        )
+    actor.critic.load_state_dict({n: state[n] for n in trained}, strict=False)
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:
@@ -320,27 +359,10 @@ def build_actor(
     reward_model: Any,
     same_tokenizer: bool,
 ) -> tuple[PolicyAndValue, Reference]:
-    """Policy (+ fresh LoRA), value head or critic, and the reference, dropout off."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModel
-
-    cfg, lora = recipe.ppo, recipe.model.lora
-    base, sft_adapter, reward_path = sources.base, sources.sft_adapter, sources.reward
-    model = load_sft_model(recipe.model, base, sft_adapter, device)
-    if lora.enabled:
-        if recipe.model.quantization.load_in_4bit:
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        policy = get_peft_model(model, lora_config(lora, "CAUSAL_LM", no_dropout=True))
-        reference = Reference(policy)
-    else:
-        policy = model
-        for param in policy.parameters():
-            param.requires_grad_(True)
-        reference = Reference(
-            policy, frozen_copy=load_sft_model(recipe.model, base, sft_adapter, device)
-        )
-    set_dropout(policy, 0.0)
-
+    """Policy (+ fresh LoRA), value head or critic, and the reference, dropout off. What trains
+    keeps fp32 master weights (`make_trainable`); frozen weights keep the recipe's dtype."""
+    cfg = recipe.ppo
+    policy, reference = build_policy(recipe, sources, device)
     if cfg.value_model == "shared":
         actor = PolicyAndValue(policy, value_head=zero_value_head(hidden_size_of(policy)))
     else:
@@ -349,14 +371,34 @@ def build_actor(
                 "ppo.value_init: reward_model needs a reward model that shares "
                 "the policy's tokenizer; use value_init: policy"
             )
-        source = resolve_model_path(reward_path if cfg.value_init == "reward_model" else base)
-        backbone = AutoModel.from_pretrained(source)
-        head = zero_value_head(hidden_size_of(backbone))
-        if cfg.value_init == "reward_model":
-            head.load_state_dict(_reward_head(reward_model, reward_path))
+        from_reward = cfg.value_init == "reward_model"
+        source = resolve_model_path(sources.reward if from_reward else sources.base)
+        # The critic follows the policy's settings: 4-bit base + LoRA, LoRA, or fp32 weights.
+        backbone = load_backbone(source, recipe.model, device)
+        head = zero_value_head(hidden_size_of(backbone))  # fp32, trained in full
+        if from_reward:
+            head.load_state_dict(_reward_head(reward_model, sources.reward))
         set_dropout(backbone, 0.0)
         actor = PolicyAndValue(policy, critic=ValueModel(backbone, head))
     return actor.to(device), reference
+
+
+def build_policy(
+    recipe: Recipe, sources: PpoSources, device: torch.device
+) -> tuple[Any, Reference]:
+    """The SFT model made trainable (a fresh LoRA adapter, on 4-bit weights when asked, or all
+    weights in fp32) with dropout off, and its frozen reference: the policy with its adapter
+    disabled, or a frozen copy in the recipe's dtype."""
+    model_cfg, base, adapter = recipe.model, sources.base, sources.sft_adapter
+    full = not model_cfg.lora.enabled  # every weight trains: loaded in fp32
+    sft = load_sft_model(
+        model_cfg.variant(dtype="float32") if full else model_cfg, base, adapter, device
+    )
+    policy = make_trainable(sft, model_cfg, "CAUSAL_LM", no_dropout=True)
+    frozen = load_sft_model(model_cfg, base, adapter, device) if full else None
+    reference = Reference(policy, frozen_copy=frozen)
+    set_dropout(policy, 0.0)
+    return policy, reference
 
 
 def _reward_head(reward_model: Any, reward_path: str) -> dict[str, torch.Tensor]:

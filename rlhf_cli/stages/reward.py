@@ -21,6 +21,7 @@ from rlhf_cli.modeling import (
     lora_config,
     pick_device,
     resolve_dtype,
+    upcast_trainable,
 )
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json
@@ -99,14 +100,14 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
     train_pairs, eval_pairs = split_eval(
         pairs, recipe.data.preferences.eval_fraction, recipe.run.seed
     )
-    model = load_reward_model(cfg.base_model, device, cfg.dtype, cfg.trust_remote_code)
+    dtype = cfg.dtype if cfg.lora.enabled else "float32"  # fully trained: fp32 master weights
+    model = load_reward_model(cfg.base_model, device, dtype, cfg.trust_remote_code)
     model.config.pad_token_id = tokenizer.pad_token_id
     scorer = RewardScorer(model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size)
     prompts = [p["prompt"] for p in train_pairs]
     encoded, n_truncated = {}, 0
     for side in ("chosen", "rejected"):
-        texts = scorer.texts(prompts, [p[side] for p in train_pairs])
-        encoded[f"{side}_ids"], count = scorer.encode(texts)
+        encoded[f"{side}_ids"], count = scorer.encode(prompts, [p[side] for p in train_pairs])
         n_truncated += count
     if n_truncated:
         record.warn(
@@ -116,7 +117,8 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
     if cfg.lora.enabled:
         from peft import get_peft_model
 
-        scorer.model = get_peft_model(model, lora_config(cfg.lora, "SEQ_CLS"))
+        # The adapter and the score head train in fp32 (peft leaves the head in the base dtype).
+        scorer.model = upcast_trainable(get_peft_model(model, lora_config(cfg.lora, "SEQ_CLS")))
     return RewardData(scorer, train_pairs, eval_pairs, Dataset.from_dict(encoded), n_truncated)
 
 
@@ -128,7 +130,12 @@ def train(
 
     cfg = recipe.reward
     kwargs = trainer_kwargs(
-        cfg, device, resolve_dtype(cfg.dtype, device), record.dir, recipe.run.seed
+        cfg,
+        device,
+        resolve_dtype(cfg.dtype, device),
+        record.dir,
+        recipe.run.seed,
+        recipe.model.gradient_checkpointing,
     )
     kwargs["eval_strategy"] = "no"  # held-out pairs are scored by `pairwise_eval` instead
     args = RewardConfig(**kwargs, max_length=cfg.max_length)

@@ -8,7 +8,13 @@ from rich.console import Console
 
 from rlhf_cli.data import load_sft, split_eval
 from rlhf_cli.errors import StageError
-from rlhf_cli.modeling import load_causal_lm, load_tokenizer, pick_device, resolve_dtype
+from rlhf_cli.modeling import (
+    load_causal_lm,
+    load_tokenizer,
+    pick_device,
+    resolve_dtype,
+    upcast_trainable,
+)
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir, StageRecord
 from rlhf_cli.stages.common import (
@@ -55,8 +61,8 @@ def setup(
     recipe: Recipe, run: RunDir, record: StageRecord, console: Console
 ) -> tuple[Any, MetricsWriter, RichProgressCallback, tuple[int, int]]:
     """TRL's SFTTrainer on a seeded train / held-out split, full weights for
-    `sft.full_finetune`, else LoRA (on 4-bit weights when asked); its metrics writer and bar;
-    the (train, held-out) row counts."""
+    `sft.full_finetune`, else LoRA (on 4-bit weights when asked), trained weights in fp32
+    (`modeling.make_trainable`); its metrics writer and bar; the (train, held-out) row counts."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -72,8 +78,9 @@ def setup(
     model_cfg = recipe.model.variant(lora=False) if cfg.full_finetune else recipe.model
     model = load_causal_lm(recipe.model.name_or_path, model_cfg, device)
     dtype = resolve_dtype(recipe.model.dtype, device)
+    checkpointing = recipe.model.gradient_checkpointing
     args = SFTConfig(
-        **trainer_kwargs(cfg, device, dtype, record.dir, recipe.run.seed),
+        **trainer_kwargs(cfg, device, dtype, record.dir, recipe.run.seed, checkpointing),
         max_length=cfg.max_length,
         warmup_steps=cfg.warmup_ratio,
         lr_scheduler_type="cosine",
@@ -89,6 +96,7 @@ def setup(
         callbacks=[progress],
     )
     drop_printer(trainer)
+    upcast_trainable(trainer.model)  # TRL casts a QLoRA adapter to bf16: keep fp32 masters
     return trainer, writer, progress, (len(train_rows), len(eval_rows))
 
 

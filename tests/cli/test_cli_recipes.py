@@ -79,6 +79,14 @@ def test_mistral7b_has_the_guides_values():
         "top_k": 0,
         "do_sample": True,
     }
+    # beyond the guide, what a 7B run needs: unended answers penalised, the scores clipped after
+    # the penalty, no weight decay, activations recomputed
+    assert (ppo["missing_eos_penalty"], ppo["weight_decay"]) == (1.0, 0.0)
+    assert r["model"]["gradient_checkpointing"] is True
+
+
+def test_real_recipes_penalise_unended_answers():
+    assert validate_json("qwen2.5-0.5b.yaml")["ppo"]["missing_eos_penalty"] == 1.0
 
 
 @pytest.mark.parametrize("name", ["tiny.yaml", "qwen2.5-0.5b.yaml"])

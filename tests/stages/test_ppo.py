@@ -53,6 +53,7 @@ REQUIRED_KEYS = [
     "time/update_s",
     "time/iteration_s",
     "tokens/generated_per_s",
+    "rollout/logprob_mismatch",
 ]
 
 
@@ -90,6 +91,7 @@ def test_ppo_learns_and_writes_the_contract(pipeline, tmp_path, small_recipe):
             "ppo_epochs": 4,
             "save_freq": 25,
             "log_every": 5,
+            "generation": {"top_p": 0.9},  # the guide's nucleus: the loss must see it too
         },
     )
     manifest = run_ppo(recipe, QUIET)
@@ -103,6 +105,8 @@ def test_ppo_learns_and_writes_the_contract(pipeline, tmp_path, small_recipe):
     last = sum(r["env/reward_mean"] for r in rows[-5:]) / 5
     assert last > first + 0.1, (first, last)
     assert all(torch.isfinite(torch.tensor(r["objective/kl"])) for r in rows)
+    # the ratio and KL are those of the distribution sampled (top-p 0.9), every iteration
+    assert max(r["rollout/logprob_mismatch"] for r in rows) < 1e-3
     # β moves toward the target: down while KL is under it, up while over it
     mean_kl = sum(r["objective/kl"] for r in rows) / len(rows)
     beta_change = manifest["metrics"]["kl_coef_now"] - recipe.ppo.init_kl_coef
@@ -164,13 +168,18 @@ def _losses(run: RunDir) -> list[float]:
     return [r["ppo/loss/total"] for r in read_metrics(run.stage_dir("ppo") / "metrics.jsonl")]
 
 
-def test_interrupt_checkpoints_and_resume_reproduces(pipeline, tmp_path, small_recipe, monkeypatch):
+@pytest.mark.parametrize("score_norm", [False, True])
+def test_interrupt_checkpoints_and_resume_reproduces(
+    pipeline, tmp_path, small_recipe, monkeypatch, score_norm
+):
+    """With `ppo.score_norm` the running score moments are part of the state that resumes."""
     from rlhf_cli.stages.ppo import run_ppo
 
-    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, PPO_SMALL)
+    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "score_norm": score_norm})
     run = RunDir.for_recipe(recipe)
     run_ppo(recipe, QUIET)
     uninterrupted = _losses(run)
+    scores = [r["env/reward_mean"] for r in read_metrics(run.stage_dir("ppo") / "metrics.jsonl")]
     shutil.rmtree(run.stage_dir("ppo"))
 
     real_log = MetricsWriter.log
@@ -192,6 +201,8 @@ def test_interrupt_checkpoints_and_resume_reproduces(pipeline, tmp_path, small_r
     rows = read_metrics(run.stage_dir("ppo") / "metrics.jsonl")
     assert [r["iteration"] for r in rows] == list(range(1, 9))
     assert_close(torch.tensor(_losses(run)), torch.tensor(uninterrupted), rtol=1e-4, atol=1e-5)
+    resumed = [r["env/reward_mean"] for r in rows]
+    assert_close(torch.tensor(resumed), torch.tensor(scores), rtol=1e-4, atol=1e-5)
 
 
 def test_corrupt_newest_checkpoint_falls_back(pipeline, tmp_path, small_recipe):

@@ -3,6 +3,9 @@ at the sampling temperature, and one HF backend whose answers agree with its own
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 from torch.testing import assert_close
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -13,6 +16,7 @@ from rlhf_cli.generation import (
     generator_for,
     left_pad,
     position_ids_from,
+    response_logits,
     response_logprobs,
     response_mask_from,
     stop_token_ids,
@@ -51,11 +55,39 @@ def test_left_pad():
 
 def test_logprobs_use_the_sampling_temperature():
     torch.manual_seed(0)
-    logits = torch.randn(2, 5, 11)
+    logits = torch.randn(2, 3, 11)
     response = torch.randint(0, 11, (2, 3))
-    logprobs, _ = response_logprobs(logits, response, query_width=2, temperature=0.7)
-    expected = torch.log_softmax(logits[:, 1:4] / 0.7, -1).gather(-1, response[..., None])[..., 0]
+    gen = GenerationSection(temperature=0.7, top_p=1.0, top_k=0)
+    logprobs, scaled = response_logprobs(logits, response, gen)
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, response[..., None])[..., 0]
     assert_close(logprobs, expected)
+    assert_close(scaled, logits / 0.7)
+
+
+def test_logprobs_follow_top_k_and_top_p_by_hand():
+    # one position, vocab 5, T = 1: probs 0.4, 0.3, 0.2, 0.07, 0.03
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.07, 0.03])
+    logits = probs.log().view(1, 1, 5)
+    token = torch.tensor([[1]])
+    # top-p 0.8: the ascending cumulative mass of 0.03, 0.07 (0.10) is <= 0.2 -> both cut; 0.2
+    # stays (cumulative 0.30 > 0.2): support {0.4, 0.3, 0.2}, p(token 1) = 0.3 / 0.9
+    lp, _ = response_logprobs(logits, token, GenerationSection(temperature=1.0, top_p=0.8))
+    assert_close(lp, torch.tensor([[math.log(0.3 / 0.9)]]))
+    # top-k 2: support {0.4, 0.3}: p = 0.3 / 0.7
+    lp, _ = response_logprobs(logits, token, GenerationSection(temperature=1.0, top_p=1.0,
+                                                               top_k=2))  # fmt: skip
+    assert_close(lp, torch.tensor([[math.log(0.3 / 0.7)]]))
+    # greedy decoding: the plain softmax
+    lp, _ = response_logprobs(logits, token, GenerationSection(do_sample=False, top_p=0.5))
+    assert_close(lp, torch.tensor([[math.log(0.3)]]))
+
+
+def test_a_token_the_nucleus_no_longer_holds_keeps_a_finite_logprob():
+    # token 4 (p 0.03) is outside top-p 0.8; it is put back into the support, not -inf
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.07, 0.03])
+    lp, _ = response_logprobs(probs.log().view(1, 1, 5), torch.tensor([[4]]),
+                              GenerationSection(temperature=1.0, top_p=0.8))  # fmt: skip
+    assert_close(lp, torch.tensor([[math.log(0.03 / 0.93)]]))
 
 
 def _tiny_lm(tokenizer) -> LlamaForCausalLM:
@@ -118,3 +150,71 @@ def test_greedy_generation_is_the_argmax_of_the_training_forward():
         logits = forward_logits(model, out.input_ids, out.attention_mask)
     p = out.query_ids.shape[1]
     assert torch.equal(logits[:, p - 1 : -1].argmax(-1), out.response_ids)
+    with torch.no_grad():
+        kept = response_logits(model, out.input_ids, out.attention_mask, 5)
+    assert_close(kept, logits[:, p - 1 : -1])  # logits_to_keep gives the same numbers
+
+
+@pytest.mark.parametrize("top_p, top_k", [(0.9, 0), (0.7, 20), (1.0, 0)])
+def test_sampler_logprobs_match_the_training_forward(top_p, top_k):
+    """What the sampler drew each token from == what the loss computes (< 1e-4), even when
+    the checkpoint's generation_config asks for a repetition penalty, top-k 7 and bans words."""
+    from rlhf_cli.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin:tiny-lm")
+    model = _tiny_lm(tokenizer)
+    model.generation_config.repetition_penalty = 3.0
+    model.generation_config.top_k = 7
+    model.generation_config.bad_words_ids = [[5], [6]]
+    queries = tokenize_prompts(
+        tokenizer, ["hello there", "a longer prompt for the sampler"], chat=True, max_tokens=64
+    )
+    gen = GenerationSection(max_new_tokens=12, temperature=0.8, top_p=top_p, top_k=top_k)
+    torch.manual_seed(3)
+    out = generator_for(model, tokenizer).generate(queries, gen)
+    width = out.response_ids.shape[1]
+    with torch.no_grad():
+        logits = response_logits(model, out.input_ids, out.attention_mask, width)
+    logprobs, _ = response_logprobs(logits, out.response_ids, gen)
+    diff = (out.sampler_logprobs - logprobs).abs()[out.response_mask]
+    assert diff.max() < 1e-4
+    assert model.generation_config.repetition_penalty == 3.0  # the model's own config is kept
+
+
+def test_long_prompts_lose_their_start_inside_the_template():
+    from rlhf_cli.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin:tiny-lm")
+    long = " ".join(f"word{i}" for i in range(200)) + " the very end"
+    short = tokenize_prompts(tokenizer, ["hi"], chat=True, max_tokens=512)[0]
+    empty = tokenize_prompts(tokenizer, [""], chat=True, max_tokens=512)[0]
+    ids = tokenize_prompts(tokenizer, [long], chat=True, max_tokens=40)[0]
+    assert len(ids) <= 40
+    text = tokenizer.decode(ids)
+    assert "the very end" in text and "word0 " not in text
+    # the chat header and the generation prompt survive: same first and last tokens as any prompt
+    assert ids[:2] == empty[:2] == short[:2] and ids[-3:] == empty[-3:] == short[-3:]
+    plain = tokenize_prompts(tokenizer, [long], chat=False, max_tokens=40)[0]
+    assert len(plain) <= 40 and tokenizer.decode(plain).endswith("the very end")
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_chunked_logprobs_give_the_same_values_and_gradients(monkeypatch, top_p):
+    import rlhf_cli.generation as generation
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 17, requires_grad=True)
+    ids = torch.randint(0, 17, (3, 5))
+    gen = GenerationSection(temperature=0.9, top_p=top_p)
+    whole, _ = response_logprobs(logits, ids, gen)
+    (grad_whole,) = torch.autograd.grad(whole.sum(), logits)
+    monkeypatch.setattr(generation, "LOGPROB_CHUNK_ROWS", 4)  # 15 positions: 4 uneven chunks
+    chunked, _ = response_logprobs(logits, ids, gen)
+    (grad_chunked,) = torch.autograd.grad(chunked.sum(), logits)
+    assert_close(chunked, whole)
+    assert_close(grad_chunked, grad_whole)
+    expected = torch.log_softmax(logits / 0.9, -1).gather(-1, ids[..., None])[..., 0]
+    if top_p == 1.0:
+        assert_close(whole, expected)
+    else:  # the nucleus renormalises: every kept token gains probability
+        assert (whole >= expected - 1e-6).all() and (whole > expected).any()

@@ -174,3 +174,193 @@ def test_full_precision_lora_freezes_the_base() -> None:
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
     assert model.peft_config["default"].r == 4
+
+
+# ── precision: what trains keeps fp32 master weights ───────────────────────────────────────
+
+
+def small_llama_config(**overrides: object):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        tie_word_embeddings=True,
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def bf16_lm(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama saved in bf16, as most hub checkpoints are."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("bf16_lm")
+    LlamaForCausalLM(small_llama_config()).to(torch.bfloat16).save_pretrained(folder)
+    return str(folder)
+
+
+def section(path: str, **fields: object) -> ModelSection:
+    base: dict[str, object] = {
+        "name_or_path": path,
+        "dtype": "bfloat16",  # what `auto` resolves to on CUDA
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"},
+    }
+    return ModelSection(**{**base, **fields})
+
+
+def test_full_weights_load_in_fp32_and_frozen_ones_in_the_recipe_dtype(bf16_lm: str) -> None:
+    cfg = section(bf16_lm, lora={"enabled": False})
+    trained = load_causal_lm(bf16_lm, cfg, CPU)
+    assert {p.dtype for p in trained.parameters()} == {torch.float32}
+    assert all(p.requires_grad for p in trained.parameters())
+    frozen = load_causal_lm(bf16_lm, cfg, CPU, trainable=False)
+    assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16}
+
+
+def test_lora_on_a_bf16_base_trains_fp32_adapters(bf16_lm: str) -> None:
+    model = load_causal_lm(bf16_lm, section(bf16_lm), CPU)
+    trained = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert set(trained.values()) == {torch.float32} and frozen == {torch.bfloat16}
+    ids = torch.randint(0, 64, (2, 6))
+    model(input_ids=ids, labels=ids).loss.backward()  # no autocast on the CPU: still runs
+
+
+def test_a_peft_head_left_in_bf16_is_upcast_and_runs_outside_autocast() -> None:
+    """peft's `modules_to_save` head (a reward model's score) stays in the base dtype."""
+    from peft import get_peft_model
+    from transformers import LlamaForSequenceClassification
+
+    from rlhf_cli.modeling import lora_config, upcast_trainable
+    from rlhf_cli.recipe import LoraSection
+
+    config = small_llama_config(num_labels=1, pad_token_id=0)
+    base = LlamaForSequenceClassification(config).to(torch.bfloat16)
+    model = get_peft_model(base, lora_config(LoraSection(r=4, alpha=8), "SEQ_CLS"))
+    assert torch.bfloat16 in {p.dtype for p in model.parameters() if p.requires_grad}
+    upcast_trainable(model)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    scores = model(input_ids=torch.randint(1, 64, (2, 6))).logits
+    assert scores.dtype == torch.float32 and torch.isfinite(scores).all()
+
+
+def test_4bit_weights_without_lora_cannot_train() -> None:
+    cfg = tiny_cfg(load_in_4bit=True, compute_dtype="float32").variant(lora=False)
+    with pytest.raises(ModelLoadError, match="4-bit weights cannot be trained directly"):
+        load_causal_lm("builtin:tiny-lm", cfg, CPU)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "device", "expected"),
+    [
+        (torch.bfloat16, "cuda", "bf16"),
+        (torch.float16, "cuda", "fp16"),
+        (torch.float32, "cuda", "no"),
+        (torch.bfloat16, "cpu", "no"),
+    ],
+)
+def test_mixed_precision_is_autocast_on_cuda_only(dtype, device, expected) -> None:
+    from rlhf_cli.modeling import mixed_precision
+
+    assert mixed_precision(dtype, torch.device(device)) == expected
+
+
+# ── gradient checkpointing ─────────────────────────────────────────────────────────────────
+
+
+def _grads_and_layer_calls(model, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
+    """Gradients of a train-mode forward + backward, and how often decoder layer 0's MLP ran
+    (twice when the layer was recomputed in the backward pass; module hooks do not run in the
+    recomputation, so its forward is wrapped)."""
+    mlp = next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp"))
+    calls, forward = [], mlp.forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    mlp.forward = counted
+    model.train()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    del mlp.forward
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return grads, len(calls)
+
+
+@pytest.mark.parametrize("four_bit", [False, True], ids=["lora", "qlora"])
+def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(four_bit: bool) -> None:
+    from rlhf_cli.modeling import is_checkpointing
+
+    quant = {"load_in_4bit": True, "compute_dtype": "float32"} if four_bit else {}
+    ids = torch.randint(10, 200, (2, 12))
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        cfg = tiny_cfg(**quant).model_copy(update={"gradient_checkpointing": checkpointing})
+        model = load_causal_lm("builtin:tiny-lm", cfg, CPU)
+        for name, param in model.named_parameters():  # LoRA B starts at 0: make every grad count
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.02, generator=torch.Generator().manual_seed(1))
+        assert is_checkpointing(model) is checkpointing
+        results.append(_grads_and_layer_calls(model, ids))
+    (plain, plain_calls), (checkpointed, checkpointed_calls) = results
+    assert (plain_calls, checkpointed_calls) == (1, 2)
+    assert plain.keys() == checkpointed.keys() and all(g is not None for g in plain.values())
+    torch.testing.assert_close(checkpointed, plain)
+
+
+# ── dropout ────────────────────────────────────────────────────────────────────────────────
+
+
+def _two_train_forwards(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    model.train()
+    with torch.no_grad():
+        return model(input_ids=ids)[0], model(input_ids=ids)[0]
+
+
+def test_set_dropout_stops_llama_attention_dropout_in_train_mode() -> None:
+    """Llama's attention keeps its own copy of `attention_dropout`, read in forward."""
+    from transformers import LlamaForCausalLM
+
+    from rlhf_cli.modeling import set_dropout
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(small_llama_config(attention_dropout=0.3))
+    ids = torch.randint(0, 64, (2, 12))
+    first, second = _two_train_forwards(model, ids)
+    assert not torch.equal(first, second)  # the dropout is real before
+    set_dropout(model, 0.0)
+    first, second = _two_train_forwards(model, ids)
+    assert torch.equal(first, second)
+    assert all(m.attention_dropout == 0.0 for m in model.modules() if hasattr(m, "q_proj"))
+    assert model.config.attention_dropout == 0.0
+
+
+def test_set_dropout_stops_bert_hidden_and_attention_dropout() -> None:
+    from transformers import BertConfig, BertModel
+
+    from rlhf_cli.modeling import set_dropout
+
+    config = BertConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=64,
+        hidden_dropout_prob=0.3,
+        attention_probs_dropout_prob=0.3,
+    )
+    torch.manual_seed(0)
+    model = BertModel(config)
+    ids = torch.randint(0, 64, (2, 12))
+    assert not torch.equal(*_two_train_forwards(model, ids))
+    set_dropout(model, 0.0)
+    assert torch.equal(*_two_train_forwards(model, ids))
+    assert model.config.hidden_dropout_prob == 0.0

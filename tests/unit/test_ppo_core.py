@@ -314,17 +314,30 @@ def test_value_loss_takes_max_of_clipped_and_unclipped() -> None:
     c = 0.2
 
     def loss(mask: list[int]) -> torch.Tensor:
-        return ppo_value_loss(values, old_values, returns, torch.tensor([mask]), c)
+        return ppo_value_loss(values, old_values, returns, torch.tensor([mask]), c)[0]
 
     assert_close(loss([1, 0, 0]), scalar(2.0))  # unclipped only: 0.5 * 4 = 2.0
     assert_close(loss([0, 1, 0]), scalar(1.62))  # clipped only: 0.5 * 3.24 = 1.62
     assert_close(loss([1, 1, 0]), scalar(1.81))  # both: 0.5 * (4 + 3.24) / 2 = 1.81
 
 
+def test_value_clipfrac_counts_where_the_clipped_loss_is_taken() -> None:
+    # token 0: V moved by 1.0 > c but the clipped loss (1.44) is the smaller one: not counted
+    #          (TRL counts only where the clipped term is the larger); |V - V_old| > c would
+    #          have counted it
+    # token 1: the clipped loss (3.24) is the larger one: counted; token 2 masked
+    values = t([2.0, 2.0, BIG])
+    _, clipfrac = ppo_value_loss(
+        values, t([1.0, 1.0, 0.0]), t([0.0, 3.0, 0.0]), torch.tensor([[1, 1, 0]]), 0.2
+    )
+    assert_close(clipfrac, scalar(0.5))
+
+
 def test_value_loss_within_clip_range_is_plain_mse() -> None:
     # V = 1.1, V_old = 1.0, c = 0.2 -> not clipped; R = 2: 0.5 * 0.9^2 = 0.405
-    loss = ppo_value_loss(t([1.1]), t([1.0]), t([2.0]), torch.tensor([[1]]), 0.2)
+    loss, clipfrac = ppo_value_loss(t([1.1]), t([1.0]), t([2.0]), torch.tensor([[1]]), 0.2)
     assert_close(loss, scalar(0.405))
+    assert_close(clipfrac, scalar(0.0))
 
 
 # --------------------------------------------------------------------------- logits and diagnostics
@@ -422,3 +435,23 @@ def test_raise_by_adds_the_audit_step(controller):
     assert controller.value == pytest.approx(0.25)
     controller.update(3.0, 32)  # the controllers keep working from the raised value
     assert controller.value <= 0.25
+
+
+# --------------------------------------------------------------------------- score normalisation
+
+
+def test_running_moments_match_the_whole_history() -> None:
+    from rlhf_cli.ppo.core import RunningMoments
+
+    batches = [t([1.0, 2.0, 3.0])[0], t([10.0])[0], t([-4.0, 0.5])[0]]
+    moments = RunningMoments()
+    for batch in batches:
+        moments.update(batch)
+    seen = torch.cat(batches)
+    assert moments.count == 6
+    assert math.isclose(moments.mean, float(seen.mean()), rel_tol=1e-12)
+    assert math.isclose(moments.std, float(seen.std()), rel_tol=1e-12)  # unbiased, like TRL
+    assert_close(moments.normalize(t([2.0])), (t([2.0]) - seen.mean()) / (seen.std() + 1e-8))
+    restored = RunningMoments()
+    restored.load_state_dict(moments.state_dict())
+    assert restored.state_dict() == moments.state_dict()

@@ -31,17 +31,31 @@ def test_left_padded_forward_matches_unpadded():
     actor = _tiny_actor()
     short, long = [5, 6, 7], [8, 9, 10, 11, 12]
     ids, mask = left_pad([short, long], pad_id=0, device=torch.device("cpu"))
+    with torch.no_grad():  # the last 2 tokens as the "response": logits predicting them
+        batched, _ = actor(ids, mask, 2)
+        alone, _ = actor(torch.tensor([short]), torch.ones(1, 3, dtype=torch.long), 2)
+    assert batched.shape[:2] == (2, 2)
+    assert_close(batched[0], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_actor_returns_the_logits_and_values_of_the_response_positions():
+    # position p-1+i predicts response token i: compare with a full forward
+    actor = _tiny_actor()
+    ids, mask = left_pad([[5, 6, 7, 8], [9, 10, 11, 12]], pad_id=0, device=torch.device("cpu"))
+    torch.nn.init.normal_(actor.value_head.weight)
     with torch.no_grad():
-        batched, _ = actor(ids, mask)
-        alone, _ = actor(torch.tensor([short]), torch.ones(1, 3, dtype=torch.long))
-    assert_close(batched[0, 2:], alone[0], atol=1e-5, rtol=1e-5)
+        logits, values = actor(ids, mask, 3)
+        out = actor.policy(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        full_values = actor.value_head(out.hidden_states[-1]).squeeze(-1)
+    assert_close(logits, out.logits[:, 0:3], atol=1e-5, rtol=1e-5)
+    assert_close(values, full_values[:, 0:3], atol=1e-5, rtol=1e-5)
 
 
 def test_value_head_starts_at_zero():
     actor = _tiny_actor()
     ids, mask = left_pad([[5, 6, 7]], pad_id=0, device=torch.device("cpu"))
-    _, values = actor(ids, mask)
-    assert values.shape == (1, 3)
+    _, values = actor(ids, mask, 2)
+    assert values.shape == (1, 2)
     assert torch.count_nonzero(values) == 0
 
 
@@ -93,3 +107,24 @@ def test_missing_eos_penalty_hits_only_responses_that_never_end(stop_on_anything
     assert rollout.ended.all() == stop_on_anything
     assert_close(rollout.scores, 1.0 - 0.5 * (~rollout.ended).float())
     assert_close(rollout.raw_scores, torch.ones(4))
+
+
+def test_scores_are_penalised_then_normalised_then_clipped():
+    from rlhf_cli.ppo.core import RunningMoments
+    from rlhf_cli.ppo.rollout import shaped_scores
+    from rlhf_cli.recipe import PpoSection
+
+    cfg = PpoSection(missing_eos_penalty=1.0, reward_clip=1.0)
+    raw, ended = torch.tensor([2.0, -0.5, 0.3]), torch.tensor([True, False, True])
+    # penalty first: -0.5 - 1 = -1.5, then the clip: the clipped scores stay within ±1
+    assert_close(shaped_scores(raw, ended, cfg), torch.tensor([1.0, -1.0, 0.3]))
+    normed = PpoSection(missing_eos_penalty=1.0, score_norm=True)
+    moments = RunningMoments()
+    out = shaped_scores(raw, ended, normed, moments)
+    penalised = torch.tensor([2.0, -1.5, 0.3])
+    assert_close(out, (penalised - penalised.mean()) / (penalised.std() + 1e-8))
+    assert moments.count == 3
+    # the gather hook sees every process's scores: here a second "process" adds two more
+    moments = RunningMoments()
+    shaped_scores(raw, ended, normed, moments, gather=lambda x: torch.cat([x, x[:2]]))
+    assert moments.count == 5

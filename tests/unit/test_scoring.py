@@ -6,7 +6,13 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from torch.testing import assert_close
-from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+from transformers import (
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    LlamaConfig,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+)
 
 from rlhf_cli.scoring import RewardScorer
 
@@ -40,10 +46,8 @@ def word_tokenizer(padding_side: str = "right") -> PreTrainedTokenizerFast:
     )
 
 
-@pytest.fixture(scope="module")
-def reward_model():
+def tiny_llama(pad_token_id: int | None = 0) -> LlamaForSequenceClassification:
     torch.manual_seed(0)
-    # config.pad_token_id equals the tokenizer's pad id: Llama scores the last non-pad token.
     config = LlamaConfig(
         vocab_size=len(VOCAB),
         hidden_size=16,
@@ -52,10 +56,16 @@ def reward_model():
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=64,
-        pad_token_id=0,
+        pad_token_id=pad_token_id,
         num_labels=1,
     )
     return LlamaForSequenceClassification(config).eval()
+
+
+@pytest.fixture(scope="module")
+def reward_model():
+    # config.pad_token_id equals the tokenizer's pad id: Llama scores the last non-pad token.
+    return tiny_llama(pad_token_id=0)
 
 
 def scorer(
@@ -94,19 +104,96 @@ def test_texts_refuse_unequal_lists():
         scorer().texts(["a", "b"], ["c"])
 
 
-def test_encode_truncates_to_max_length_and_counts_only_longer_texts():
+def test_encode_counts_only_longer_texts_and_keeps_fitting_ones_as_tokenised():
+    s = scorer(max_length=5, template="{prompt} {response}")
     # "<s>" + words: 4, 5, 6 and 8 tokens against max_length 5
-    ids, n_truncated = scorer(max_length=5).encode(
-        ["a b c", "a b c d", "a b c d e", "a b c d e f g"]
-    )
+    ids, n_truncated = s.encode(["a", "a b", "a b c", "a b c d e"], ["b c", "c d", "d e", "f g"])
     assert n_truncated == 2  # exactly max_length is not truncated
-    assert ids == [[1, 7, 8, 9], [1, 7, 8, 9, 10], [1, 7, 8, 9, 10], [1, 7, 8, 9, 10]]
+    tokenizer = word_tokenizer()
+    assert ids[:2] == [tokenizer("a b c")["input_ids"], tokenizer("a b c d")["input_ids"]]
+    assert ids[:2] == [[1, 7, 8, 9], [1, 7, 8, 9, 10]]
+    # the prompts lose their start; the responses stay whole
+    assert ids[2:] == [[1, 8, 9, 10, 11], [1, 10, 11, 12, 13]]
 
 
 def test_encode_without_truncation():
-    ids, n_truncated = scorer(max_length=64).encode(["Q : a z", "h"])
+    ids, n_truncated = scorer(max_length=64, template="{prompt} {response}").encode(
+        ["Q : a", "h"], ["z", ""]
+    )
     assert n_truncated == 0
     assert ids == [[1, 4, 6, 7, 3], [1, 14]]  # z is unknown: <unk> = 3
+
+
+def test_encode_refuses_unequal_lists():
+    with pytest.raises(ValueError):
+        scorer().encode(["a", "b"], ["c"])
+
+
+def test_encode_of_no_pairs():
+    assert scorer().encode([], []) == ([], 0)
+
+
+class SlowTokenizer:
+    """The word-level tokenizer seen as a slow one: no offsets, so cuts are tried per character."""
+
+    is_fast = False
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        assert "return_offsets_mapping" not in kwargs
+        return self._tokenizer(*args, **kwargs)
+
+
+def cut_scorer(max_length: int, slow: bool, template: str = TEMPLATE) -> RewardScorer:
+    s = scorer(max_length=max_length, template=template)
+    if slow:
+        s.tokenizer = SlowTokenizer(s.tokenizer)
+    return s
+
+
+# ── truncation: the response survives, the prompt loses its start ───────────────────────────
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_long_prompt_loses_its_start_and_the_response_survives_whole(slow):
+    # "<s> Q : a b c d e f g h A : b c" is 15 tokens; without the prompt 7, so 1 prompt word fits
+    ids, n_truncated = cut_scorer(8, slow).encode(["a b c d e f g h"], ["b c"])
+    assert n_truncated == 1
+    assert ids == [[1, 4, 6, 14, 5, 6, 8, 9]]  # <s> Q : h A : b c
+    assert len(ids[0]) == 8
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_response_too_long_alone_drops_the_prompt_and_keeps_its_own_end(slow):
+    # "<s> Q : A :" is 5 tokens, the response 8 words: its last 3 fit
+    ids, n_truncated = cut_scorer(8, slow).encode(["a b"], ["a b c d e f g h"])
+    assert n_truncated == 1
+    assert ids == [[1, 4, 6, 5, 6, 12, 13, 14]]  # <s> Q : A : f g h
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_template_too_long_alone_is_cut_by_the_tokenizer(slow):
+    ids, n_truncated = cut_scorer(4, slow).encode(["a"], ["b"])  # "<s> Q : A :" is 5 tokens
+    assert n_truncated == 1
+    assert ids == [[1, 4, 6, 5]]
+
+
+def test_every_shortened_text_is_counted_and_fitting_ones_are_untouched():
+    s = scorer(max_length=8)
+    prompts = ["a", "a b c d e f g h", "a b", "a b"]
+    responses = ["b", "b c", "a b c d e f g h", "d"]  # fits, prompt cut, response cut, exactly 8
+    ids, n_truncated = s.encode(prompts, responses)
+    assert n_truncated == 2
+    assert all(len(x) <= 8 for x in ids)
+    texts = s.texts(prompts, responses)
+    assert ids[0] == s.tokenizer(texts[0])["input_ids"] == [1, 4, 6, 7, 5, 6, 8]
+    assert ids[3] == s.tokenizer(texts[3])["input_ids"]
+    assert ids[1][-2:] == [8, 9] and ids[2][-3:] == [12, 13, 14]
 
 
 # ── scores ──────────────────────────────────────────────────────────────────────────────────
@@ -122,15 +209,14 @@ def test_scores_are_one_float32_per_pair_on_the_cpu(reward_model):
 def test_each_score_is_the_models_logit_on_that_text_alone(reward_model):
     s = scorer(reward_model)
     scores, _ = s.score(PROMPTS, RESPONSES)
-    ids, _ = s.encode(s.texts(PROMPTS, RESPONSES))
+    ids, _ = s.encode(PROMPTS, RESPONSES)
     with torch.no_grad():
         alone = [reward_model(input_ids=torch.tensor([x])).logits[0, 0] for x in ids]
     assert_close(scores, torch.stack(alone), rtol=1e-5, atol=1e-6)
 
 
-# Both sides hold here because config.pad_token_id is the tokenizer's pad id (Llama then scores
-# the last non-pad token) and RoPE is shift-invariant; with a config pad id that differs from the
-# tokenizer's, scores in padded batches change with the batch size (the scorer does not check).
+# Llama scores the last token that is not config.pad_token_id; left-padded rows get positions
+# counted over their real tokens, as they would alone.
 @pytest.mark.parametrize("padding_side", ["right", "left"])
 def test_scores_do_not_depend_on_the_batch_size(reward_model, padding_side):
     scores = [
@@ -141,10 +227,62 @@ def test_scores_do_not_depend_on_the_batch_size(reward_model, padding_side):
     assert_close(scores[2], scores[0], rtol=1e-5, atol=1e-6)
 
 
-def test_truncated_inputs_are_scored_on_their_first_max_length_tokens(reward_model):
+# ── padding: a pretrained reward model's own pad id, absolute positions ─────────────────────
+
+
+def alone_and_batched(model, padding_side: str, tokenizer=None) -> tuple[torch.Tensor, ...]:
+    s = scorer(model, padding_side=padding_side)
+    if tokenizer is not None:
+        s = RewardScorer(model, tokenizer, TEMPLATE, 64)
+    alone = torch.cat([s.score([p], [r])[0] for p, r in zip(PROMPTS, RESPONSES, strict=True)])
+    return alone, s.score(PROMPTS, RESPONSES)[0]
+
+
+# A pretrained model keeps its own pad id: EOS (never in these texts), or a word that is.
+@pytest.mark.parametrize("config_pad_id", [VOCAB["</s>"], VOCAB["a"]])
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_a_model_with_its_own_pad_id_scores_a_text_the_same_alone_and_batched(
+    config_pad_id, padding_side
+):
+    model = tiny_llama(pad_token_id=config_pad_id)
+    alone, batched = alone_and_batched(model, padding_side)
+    assert_close(batched, alone, rtol=1e-5, atol=1e-5)
+    assert model.config.pad_token_id == VOCAB["<pad>"]  # made the tokenizer's, once
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_a_tokenizer_without_a_pad_token_pads_with_its_eos(padding_side):
+    tokenizer = word_tokenizer(padding_side)
+    tokenizer.pad_token = None
+    model = tiny_llama(pad_token_id=VOCAB["<pad>"])
+    alone, batched = alone_and_batched(model, padding_side, tokenizer)
+    assert_close(batched, alone, rtol=1e-5, atol=1e-5)
+    assert tokenizer.pad_token == "</s>" and model.config.pad_token_id == VOCAB["</s>"]
+
+
+def test_a_tokenizer_with_neither_pad_nor_eos_is_refused():
+    tokenizer = word_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token = None
+    with pytest.raises(ValueError, match="neither a pad nor an EOS"):
+        RewardScorer(tiny_llama(), tokenizer, TEMPLATE, 64)
+
+
+def test_absolute_positions_are_counted_over_real_tokens_in_left_padded_batches():
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=len(VOCAB), n_positions=64, n_embd=16, n_layer=1, n_head=2, num_labels=1
+    )
+    config.pad_token_id = VOCAB["<pad>"]
+    model = GPT2ForSequenceClassification(config).eval()
+    for padding_side in ("left", "right"):
+        alone, batched = alone_and_batched(model, padding_side)
+        assert_close(batched, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_truncated_inputs_are_scored_on_their_whole_response(reward_model):
     s = scorer(reward_model, max_length=5, template="{prompt} {response}")
-    # "<s> a b c d" is 5 tokens; the other two are 6 and 9 tokens and cut to the same 5
-    scores, n_truncated = s.score(["a b", "a b", "a b c"], ["c d", "c d e", "d e f g h"])
+    # "<s> a b c d" is 5 tokens; the other two are 6 and 7 tokens and lose their prompts' start
+    scores, n_truncated = s.score(["a b", "h a b", "g h a b"], ["c d", "c d", "c d"])
     assert n_truncated == 2
     assert_close(scores[1:], scores[:1].expand(2), rtol=1e-6, atol=1e-7)
 
@@ -172,6 +310,11 @@ def test_reward_truncation_is_counted_not_silent():
     scorer = RewardScorer(
         model=None, tokenizer=tokenizer, template="{prompt} {response}", max_length=16
     )
-    ids, n_truncated = scorer.encode(scorer.texts(["short", "long " * 40], ["ok", "ok"]))
+    ids, n_truncated = scorer.encode(["short", "long " * 40], ["ok", "all done"])
     assert n_truncated == 1
     assert max(len(x) for x in ids) == 16
+    # WordPiece: [CLS] ... the response's tokens [SEP]
+    response = tokenizer("all done", add_special_tokens=False)["input_ids"]
+    assert ids[1][-len(response) - 1 : -1] == response
+    assert ids[1][-1] == tokenizer.sep_token_id and ids[1][0] == tokenizer.cls_token_id
+    assert ids[1][1 : -len(response) - 1] == [tokenizer.convert_tokens_to_ids("long")] * 12
