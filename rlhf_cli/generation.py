@@ -215,36 +215,51 @@ def response_logprobs(
     from, and the temperature-scaled logits (b, r, vocab) (the full distribution, for entropy).
 
     logits (b, r, vocab) are the ones predicting each response token (`response_logits`). The
-    sampler's warpers are applied row by row; the sampled token is put back into the support if
-    they cut it (a policy that moved since sampling), so its log-prob stays finite. The work
-    runs in chunks of `LOGPROB_CHUNK_ROWS` positions; with autograd on, each chunk is recomputed
-    in the backward pass instead of keeping its fp32 copies, sort and log-softmax alive.
+    sampler's warpers decide, without gradient, which tokens each row keeps (the sampled token
+    is put back if they cut it: a policy that moved since sampling keeps a finite log-prob);
+    the log-softmax then runs over the kept tokens. The work runs in chunks of
+    `LOGPROB_CHUNK_ROWS` positions; with autograd on, each chunk's masked log-softmax is
+    recomputed in the backward pass instead of keeping its fp32 copies alive.
     """
     b, r, vocab = logits.shape
     flat_logits, flat_ids = logits.reshape(-1, vocab), response_ids.reshape(-1)
     recompute = torch.is_grad_enabled() and logits.requires_grad
-    chunks = []
+    temperature, chunks = score_temperature(gen), []
     for start in range(0, flat_ids.numel(), LOGPROB_CHUNK_ROWS):
-        rows = slice(start, start + LOGPROB_CHUNK_ROWS)
+        rows, ids = (
+            flat_logits[start : start + LOGPROB_CHUNK_ROWS],
+            flat_ids[start : start + LOGPROB_CHUNK_ROWS],
+        )
+        keep = sampler_support(rows, ids, gen)
         if recompute:
             chunks.append(torch.utils.checkpoint.checkpoint(
-                _warped_logprobs, flat_logits[rows], flat_ids[rows], gen, use_reentrant=False
+                _kept_logprobs, rows, ids, keep, temperature, use_reentrant=False
             ))  # fmt: skip
         else:
-            chunks.append(_warped_logprobs(flat_logits[rows], flat_ids[rows], gen))
+            chunks.append(_kept_logprobs(rows, ids, keep, temperature))
     logprobs = torch.cat(chunks).view(b, r) if chunks else logits.new_zeros(b, r).float()
-    return logprobs, logits.float() / score_temperature(gen)
+    return logprobs, logits.float() / temperature
 
 
-def _warped_logprobs(logits: Tensor, token_ids: Tensor, gen: GenerationSection) -> Tensor:
-    """(n,) log-probs of `token_ids` (n,) under the warped softmax of `logits` (n, vocab)."""
-    scaled = logits.float() / score_temperature(gen)
-    warpers = sampling_warpers(gen)
+@torch.no_grad()
+def sampler_support(logits: Tensor, token_ids: Tensor, gen: GenerationSection) -> Tensor | None:
+    """(n, vocab) bool: the tokens the sampler's warpers keep for each row of `logits`
+    (n, vocab), plus the row's own token (n,); None when nothing is cut (temperature only)."""
+    warpers = sampling_warpers(gen)  # temperature first: top-p's nucleus depends on it
     if all(isinstance(w, TemperatureLogitsWarper) for w in warpers):
-        return logprobs_from_logits(scaled, token_ids)
-    ids = token_ids[:, None]
-    processed = warpers(None, logits.float()).scatter(-1, ids, scaled.gather(-1, ids))
-    return logprobs_from_logits(processed, token_ids)
+        return None
+    processed = warpers(None, logits.float())
+    return (processed != float("-inf")).scatter(1, token_ids[:, None], True)
+
+
+def _kept_logprobs(
+    logits: Tensor, token_ids: Tensor, keep: Tensor | None, temperature: float
+) -> Tensor:
+    """(n,) log-probs of `token_ids` under the softmax of `logits / temperature` over `keep`."""
+    scaled = logits.float() / temperature
+    if keep is not None:
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    return logprobs_from_logits(scaled, token_ids)
 
 
 def response_logits(

@@ -112,3 +112,24 @@ def quiet_console():
     from rich.console import Console
 
     return Console(stderr=True, quiet=True)
+
+
+@pytest.fixture(scope="session")
+def llama_config() -> Callable[..., Any]:
+    """Factory of the small Llama config the unit tests build models from: 2 layers, hidden 32,
+    vocab 64, tied embeddings; `llama_config(vocab_size=..., num_hidden_layers=1, ...)`."""
+    from transformers import LlamaConfig
+
+    def make(**overrides: Any) -> Any:
+        settings: dict[str, Any] = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            tie_word_embeddings=True,
+        )
+        return LlamaConfig(**{**settings, **overrides})
+
+    return make

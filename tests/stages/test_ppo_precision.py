@@ -23,18 +23,10 @@ QLORA = {"quantization": {"load_in_4bit": True, "compute_dtype": "float32"}}
 
 
 @pytest.fixture(scope="module")
-def bf16_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def bf16_lm(tmp_path_factory: pytest.TempPathFactory, llama_config) -> Path:
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        tie_word_embeddings=True,
-    )
+    config = llama_config()
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("bf16_lm")
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)

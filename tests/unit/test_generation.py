@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from torch.testing import assert_close
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from rlhf_cli.generation import (
     Generations,
@@ -90,26 +90,25 @@ def test_a_token_the_nucleus_no_longer_holds_keeps_a_finite_logprob():
     assert_close(lp, torch.tensor([[math.log(0.03 / 0.93)]]))
 
 
-def _tiny_lm(tokenizer) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-def test_hf_generator_returns_consistent_ids_masks_and_text():
+@pytest.fixture
+def tiny_lm(llama_config):
+    """The tiny tokenizer and a 1-layer random Llama over its vocabulary."""
     from rlhf_cli.modeling import load_tokenizer
 
     tokenizer = load_tokenizer("builtin:tiny-lm")
-    model = _tiny_lm(tokenizer)
+    torch.manual_seed(0)
+    config = llama_config(
+        vocab_size=len(tokenizer),
+        num_hidden_layers=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    return tokenizer, LlamaForCausalLM(config).eval()
+
+
+def test_hf_generator_returns_consistent_ids_masks_and_text(tiny_lm):
+    tokenizer, model = tiny_lm
     generator = generator_for(model, tokenizer)
     assert isinstance(generator, HFGenerator)
     assert generator.stop_ids == stop_token_ids(tokenizer, model)
@@ -134,12 +133,10 @@ def test_hf_generator_returns_consistent_ids_masks_and_text():
     assert torch.equal(again.response_ids, out.response_ids)  # seeded sampling repeats
 
 
-def test_greedy_generation_is_the_argmax_of_the_training_forward():
+def test_greedy_generation_is_the_argmax_of_the_training_forward(tiny_lm):
     from rlhf_cli.generation import forward_logits
-    from rlhf_cli.modeling import load_tokenizer
 
-    tokenizer = load_tokenizer("builtin:tiny-lm")
-    model = _tiny_lm(tokenizer)
+    tokenizer, model = tiny_lm
     queries = tokenize_prompts(
         tokenizer, ["a short one", "a somewhat longer prompt here"], chat=False, max_tokens=64
     )
@@ -156,13 +153,10 @@ def test_greedy_generation_is_the_argmax_of_the_training_forward():
 
 
 @pytest.mark.parametrize("top_p, top_k", [(0.9, 0), (0.7, 20), (1.0, 0)])
-def test_sampler_logprobs_match_the_training_forward(top_p, top_k):
+def test_sampler_logprobs_match_the_training_forward(tiny_lm, top_p, top_k):
     """What the sampler drew each token from == what the loss computes (< 1e-4), even when
     the checkpoint's generation_config asks for a repetition penalty, top-k 7 and bans words."""
-    from rlhf_cli.modeling import load_tokenizer
-
-    tokenizer = load_tokenizer("builtin:tiny-lm")
-    model = _tiny_lm(tokenizer)
+    tokenizer, model = tiny_lm
     model.generation_config.repetition_penalty = 3.0
     model.generation_config.top_k = 7
     model.generation_config.bad_words_ids = [[5], [6]]

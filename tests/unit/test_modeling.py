@@ -179,29 +179,14 @@ def test_full_precision_lora_freezes_the_base() -> None:
 # ── precision: what trains keeps fp32 master weights ───────────────────────────────────────
 
 
-def small_llama_config(**overrides: object):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        tie_word_embeddings=True,
-        **overrides,
-    )
-
-
 @pytest.fixture(scope="module")
-def bf16_lm(tmp_path_factory: pytest.TempPathFactory) -> str:
+def bf16_lm(tmp_path_factory: pytest.TempPathFactory, llama_config) -> str:
     """A tiny Llama saved in bf16, as most hub checkpoints are."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("bf16_lm")
-    LlamaForCausalLM(small_llama_config()).to(torch.bfloat16).save_pretrained(folder)
+    LlamaForCausalLM(llama_config()).to(torch.bfloat16).save_pretrained(folder)
     return str(folder)
 
 
@@ -233,7 +218,7 @@ def test_lora_on_a_bf16_base_trains_fp32_adapters(bf16_lm: str) -> None:
     model(input_ids=ids, labels=ids).loss.backward()  # no autocast on the CPU: still runs
 
 
-def test_a_peft_head_left_in_bf16_is_upcast_and_runs_outside_autocast() -> None:
+def test_a_peft_head_left_in_bf16_is_upcast_and_runs_outside_autocast(llama_config) -> None:
     """peft's `modules_to_save` head (a reward model's score) stays in the base dtype."""
     from peft import get_peft_model
     from transformers import LlamaForSequenceClassification
@@ -241,7 +226,7 @@ def test_a_peft_head_left_in_bf16_is_upcast_and_runs_outside_autocast() -> None:
     from rlhf_cli.modeling import lora_config, upcast_trainable
     from rlhf_cli.recipe import LoraSection
 
-    config = small_llama_config(num_labels=1, pad_token_id=0)
+    config = llama_config(num_labels=1, pad_token_id=0)
     base = LlamaForSequenceClassification(config).to(torch.bfloat16)
     model = get_peft_model(base, lora_config(LoraSection(r=4, alpha=8), "SEQ_CLS"))
     assert torch.bfloat16 in {p.dtype for p in model.parameters() if p.requires_grad}
@@ -325,14 +310,14 @@ def _two_train_forwards(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.T
         return model(input_ids=ids)[0], model(input_ids=ids)[0]
 
 
-def test_set_dropout_stops_llama_attention_dropout_in_train_mode() -> None:
+def test_set_dropout_stops_llama_attention_dropout_in_train_mode(llama_config) -> None:
     """Llama's attention keeps its own copy of `attention_dropout`, read in forward."""
     from transformers import LlamaForCausalLM
 
     from rlhf_cli.modeling import set_dropout
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(small_llama_config(attention_dropout=0.3))
+    model = LlamaForCausalLM(llama_config(attention_dropout=0.3))
     ids = torch.randint(0, 64, (2, 12))
     first, second = _two_train_forwards(model, ids)
     assert not torch.equal(first, second)  # the dropout is real before

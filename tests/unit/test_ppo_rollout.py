@@ -6,29 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.testing import assert_close
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from rlhf_cli.generation import left_pad
 from rlhf_cli.ppo.models import PolicyAndValue, zero_value_head
 
 
-def _tiny_actor() -> PolicyAndValue:
+@pytest.fixture
+def tiny_actor(llama_config) -> PolicyAndValue:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
+    config = llama_config(vocab_size=50, pad_token_id=0, tie_word_embeddings=False)
     return PolicyAndValue(LlamaForCausalLM(config).eval(), value_head=zero_value_head(32))
 
 
-def test_left_padded_forward_matches_unpadded():
+def test_left_padded_forward_matches_unpadded(tiny_actor):
     # the reference/value passes must see generation's positions: padding changes nothing
-    actor = _tiny_actor()
+    actor = tiny_actor
     short, long = [5, 6, 7], [8, 9, 10, 11, 12]
     ids, mask = left_pad([short, long], pad_id=0, device=torch.device("cpu"))
     with torch.no_grad():  # the last 2 tokens as the "response": logits predicting them
@@ -38,9 +31,9 @@ def test_left_padded_forward_matches_unpadded():
     assert_close(batched[0], alone[0], atol=1e-5, rtol=1e-5)
 
 
-def test_actor_returns_the_logits_and_values_of_the_response_positions():
+def test_actor_returns_the_logits_and_values_of_the_response_positions(tiny_actor):
     # position p-1+i predicts response token i: compare with a full forward
-    actor = _tiny_actor()
+    actor = tiny_actor
     ids, mask = left_pad([[5, 6, 7, 8], [9, 10, 11, 12]], pad_id=0, device=torch.device("cpu"))
     torch.nn.init.normal_(actor.value_head.weight)
     with torch.no_grad():
@@ -51,8 +44,8 @@ def test_actor_returns_the_logits_and_values_of_the_response_positions():
     assert_close(values, full_values[:, 0:3], atol=1e-5, rtol=1e-5)
 
 
-def test_value_head_starts_at_zero():
-    actor = _tiny_actor()
+def test_value_head_starts_at_zero(tiny_actor):
+    actor = tiny_actor
     ids, mask = left_pad([[5, 6, 7]], pad_id=0, device=torch.device("cpu"))
     _, values = actor(ids, mask, 2)
     assert values.shape == (1, 2)
@@ -67,7 +60,7 @@ class _ConstantScorer:
 
 
 @pytest.mark.parametrize("stop_on_anything", [True, False])
-def test_missing_eos_penalty_hits_only_responses_that_never_end(stop_on_anything):
+def test_missing_eos_penalty_hits_only_responses_that_never_end(stop_on_anything, llama_config):
     from rlhf_cli.generation import HFGenerator
     from rlhf_cli.modeling import Reference, load_tokenizer
     from rlhf_cli.ppo.rollout import collect_rollout
@@ -75,14 +68,11 @@ def test_missing_eos_penalty_hits_only_responses_that_never_end(stop_on_anything
 
     tokenizer = load_tokenizer("builtin:tiny-lm")
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = llama_config(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
     )
     policy = LlamaForCausalLM(config).eval()
     actor = PolicyAndValue(policy, value_head=zero_value_head(32))
