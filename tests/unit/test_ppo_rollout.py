@@ -118,3 +118,44 @@ def test_scores_are_penalised_then_normalised_then_clipped():
     moments = RunningMoments()
     shaped_scores(raw, ended, normed, moments, gather=lambda x: torch.cat([x, x[:2]]))
     assert moments.count == 5
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_entropy_enters_the_graph_only_when_it_is_in_the_loss(llama_config, entropy_coef):
+    """At entropy_coef 0 the entropy is measured without autograd: a (b, r, vocab) softmax is
+    not kept for a backward pass that would multiply it by 0."""
+    from rlhf_cli.generation import HFGenerator
+    from rlhf_cli.modeling import Reference, load_tokenizer
+    from rlhf_cli.ppo.rollout import collect_rollout
+    from rlhf_cli.ppo.trainer import minibatch_loss
+    from rlhf_cli.recipe import GenerationSection, PpoSection
+
+    tokenizer = load_tokenizer("builtin:tiny-lm")
+    torch.manual_seed(0)
+    config = llama_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    policy = LlamaForCausalLM(config)
+    actor = PolicyAndValue(policy, value_head=zero_value_head(32))
+    cfg = PpoSection(
+        batch_size=2,
+        mini_batch_size=2,
+        gradient_accumulation_steps=1,
+        entropy_coef=entropy_coef,
+        generation=GenerationSection(max_new_tokens=4, temperature=1.0, top_p=0.9),
+    )
+    queries = [tokenizer("hello there friend")["input_ids"]] * 2
+    rollout = collect_rollout(
+        actor,
+        Reference(policy, frozen_copy=policy),
+        _ConstantScorer(),
+        HFGenerator(policy, tokenizer, [tokenizer.eos_token_id]),
+        ["p"] * 2,
+        queries,
+        cfg,
+    )
+    actor.train()
+    ones = torch.ones_like(rollout.values)
+    loss, parts = minibatch_loss(cfg, actor, rollout, torch.arange(2), ones, ones)
+    assert parts["ppo/policy/entropy"].requires_grad == (entropy_coef > 0)
+    assert loss.requires_grad and torch.isfinite(loss)
+    # at the rollout's own weights the ratio is 1: the policy loss is -mean(advantages) = -1
+    assert_close(parts["ppo/loss/policy"], torch.tensor(-1.0), atol=1e-5, rtol=0)
