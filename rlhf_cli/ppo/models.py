@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from rlhf_cli.errors import StageError
 from rlhf_cli.generation import position_ids_from
 
 
@@ -74,11 +75,26 @@ class PolicyAndValue(nn.Module):
         return out.logits[:, :-1], values.float()
 
     def value_state_dict(self) -> dict[str, Tensor]:
-        module = self.value_head if self.critic is None else self.critic
-        return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+        """What the value side trains: the shared head, or the critic's trained weights (its
+        LoRA and head, or all of it): a frozen (4-bit) critic base is never written."""
+        if self.critic is None:
+            items = self.value_head.state_dict().items()
+        else:
+            items = ((n, p) for n, p in self.critic.named_parameters() if p.requires_grad)
+        return {k: v.detach().cpu().contiguous() for k, v in items}
 
     def load_value_state_dict(self, state: dict[str, Tensor]) -> None:
-        (self.value_head if self.critic is None else self.critic).load_state_dict(state)
+        """Restore `value_state_dict`'s weights; a state missing some raises StageError."""
+        module = self.value_head if self.critic is None else self.critic
+        expected = set(self.value_state_dict())
+        missing = sorted(expected - state.keys())
+        if missing:
+            raise StageError(
+                f"the checkpoint's value weights lack {len(missing)} of this recipe's "
+                f"({missing[0]}, ...): it was written with other model settings; run `rlhf ppo` "
+                "without --resume"
+            )
+        module.load_state_dict({n: state[n] for n in expected}, strict=False)
 
 
 def hidden_size_of(model: Any) -> int:

@@ -306,7 +306,7 @@ def _resume(
         kl_ctl=kl_ctl,
         sampler=sampler,
     )
-    _restore_value(actor, value_state)
+    actor.load_value_state_dict(value_state)
     console.print(f"resuming from {folder.name} (iteration {state['iteration']})")
     _truncate_jsonl(stage_dir / "metrics.jsonl", state["iteration"])
     _truncate_jsonl(stage_dir / "samples.jsonl", state["iteration"])
@@ -321,23 +321,6 @@ def score_moments(cfg: PpoSection, state: dict[str, Any]) -> core.RunningMoments
     if state.get("score_moments"):
         moments.load_state_dict(state["score_moments"])
     return moments
-
-
-def _restore_value(actor: PolicyAndValue, state: dict[str, torch.Tensor]) -> None:
-    """The value head, or the critic's trained weights (LoRA + head, or all of them), from a
-    checkpoint. A LoRA critic's frozen base is the one just loaded: a 4-bit base's saved
-    quantisation state would not load back into it."""
-    if actor.critic is None:
-        actor.load_value_state_dict(state)
-        return
-    trained = {n for n, p in actor.critic.named_parameters() if p.requires_grad}
-    missing = sorted(trained - state.keys())
-    if missing:
-        raise StageError(
-            f"the checkpoint's critic lacks {len(missing)} trained weights ({missing[0]}, ...): "
-            "it was written with other model settings; run `rlhf ppo` without --resume"
-        )
-    actor.critic.load_state_dict({n: state[n] for n in trained}, strict=False)
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:

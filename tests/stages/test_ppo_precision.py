@@ -205,19 +205,19 @@ def test_gradient_checkpointing_recomputes_policy_and_critic_with_the_same_gradi
 def test_a_4bit_lora_critic_resumes_from_its_checkpointed_state(
     bf16_lm: Path, tmp_path: Path
 ) -> None:
-    """The whole critic state is saved (models.value_state_dict); the 4-bit base's quantisation
-    state does not load back, so resuming restores the trained weights only."""
+    """Only the critic's trained weights (LoRA + head) are saved, never its 4-bit base, and they
+    load back into a freshly built critic."""
     from safetensors.torch import load_file, save_file
-
-    from rlhf_cli.stages.ppo import _restore_value
 
     recipe = recipe_for(bf16_lm, tmp_path, QLORA, value_model="separate")
     saved = actor_for(recipe, bf16_lm)
     for param in trained(saved).values():
         torch.nn.init.normal_(param, std=0.05)
-    save_file(saved.value_state_dict(), tmp_path / "value.safetensors")
+    state = saved.value_state_dict()
+    assert set(state) == set(trained(saved.critic))  # no frozen or quantised base weights
+    save_file(state, tmp_path / "value.safetensors")
     fresh = actor_for(recipe, bf16_lm)
-    _restore_value(fresh, load_file(tmp_path / "value.safetensors"))
+    fresh.load_value_state_dict(load_file(tmp_path / "value.safetensors"))
     torch.testing.assert_close(
         {n: p.detach() for n, p in trained(fresh.critic).items()},
         {n: p.detach() for n, p in trained(saved.critic).items()},
