@@ -22,7 +22,7 @@ from rlhf_cli.modeling import (
     load_reward_model,
     load_sft_model,
     load_tokenizer,
-    lora_config,
+    make_trainable,
     set_dropout,
 )
 from rlhf_cli.recipe import ModelSection, Recipe
@@ -94,7 +94,7 @@ def load_trained_policy(
     model_cfg: ModelSection | None = None,
 ) -> TrainedPolicy:
     """The policy at `source` (default: the run's final PPO policy), dropout off, frozen."""
-    from peft import PeftModel, get_peft_model
+    from peft import PeftModel
 
     model_cfg = model_cfg or recipe.model
     folder = Path(source) if source is not None else run.stage_dir("ppo")
@@ -122,7 +122,7 @@ def load_trained_policy(
     sft_model = load_sft_model(model_cfg, base, sft_adapter, device)
     if kind == "adapter":
         model = PeftModel.from_pretrained(sft_model, str(folder))
-    else:  # a checkpoint: the PPO construction, then its trainable weights
+    else:  # a checkpoint: the PPO construction (4-bit bases prepared alike), then its weights
         from safetensors.torch import load_file
 
         if not model_cfg.lora.enabled:
@@ -130,7 +130,7 @@ def load_trained_policy(
                 f"{folder}: auditing checkpoints of full-weight PPO runs is not "
                 "supported; audit the final policy instead"
             )
-        model = get_peft_model(sft_model, lora_config(model_cfg.lora, "CAUSAL_LM", no_dropout=True))
+        model = make_trainable(sft_model, model_cfg, "CAUSAL_LM", no_dropout=True)
         missing = model.load_state_dict(load_file(folder / "policy.safetensors"), strict=False)
         if missing.unexpected_keys:
             raise StageError(f"{folder} does not match this recipe's LoRA settings")
