@@ -24,8 +24,14 @@ References
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+
+# Sums a tensor over every process (an all-reduce); None = this process's data is all there is.
+# With it, the masked statistics below are those of the global batch, whatever the split.
+Reducer = Callable[[Tensor], Tensor] | None
 
 WHITEN_EPS = 1e-8
 
@@ -38,13 +44,16 @@ def _bool_mask(mask: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- masked statistics
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+def masked_mean(
+    x: Tensor, mask: Tensor, dim: int | None = None, reduce_sum: Reducer = None
+) -> Tensor:
     """Mean of ``x`` over the valid (mask True) elements. [TRL ``masked_mean``]
 
     Args:
         x: ``(b, response_len)`` (any shape equal to ``mask``'s).
         mask: ``(b, response_len)`` bool or 0/1, True = valid.
         dim: if given, the mean is taken along this dim only (one value per row).
+        reduce_sum: sums over every process (``dim`` None only): the global batch's mean.
 
     Returns:
         A scalar tensor, or ``(b,)`` when ``dim=1``. An all-masked row along ``dim``
@@ -52,31 +61,43 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """
     m = _bool_mask(mask)
     total = torch.where(m, x, torch.zeros_like(x)).sum(dim=dim)
-    count = m.sum(dim=dim).clamp(min=1).to(total.dtype)
-    return total / count
+    count = m.sum(dim=dim).to(total.dtype)
+    if reduce_sum is not None:
+        if dim is not None:
+            raise ValueError("reduce_sum needs dim=None")
+        total, count = reduce_sum(torch.stack([total, count]))
+    return total / count.clamp(min=1)
 
 
-def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+def masked_var(
+    x: Tensor, mask: Tensor, unbiased: bool = True, reduce_sum: Reducer = None
+) -> Tensor:
     """Variance of ``x`` over all valid elements (one scalar). [TRL ``masked_var``]
 
     Args:
         x: ``(b, response_len)``.
         mask: ``(b, response_len)`` bool or 0/1, True = valid.
         unbiased: apply Bessel's correction ``n / (n - 1)``.
+        reduce_sum: sums over every process: the global batch's variance (two passes, as on
+            one process: the global mean first, then the squared deviations from it).
 
     Returns:
         Scalar tensor. With fewer than 2 valid elements the unbiased variance is
         0 (denominator clamped to 1), not NaN/inf.
     """
     m = _bool_mask(mask)
-    mean = masked_mean(x, m)
+    mean = masked_mean(x, m, reduce_sum=reduce_sum)
     centered = torch.where(m, x - mean, torch.zeros_like(x))
-    n = m.sum().to(x.dtype)
+    squares, n = (centered**2).sum(), m.sum().to(x.dtype)
+    if reduce_sum is not None:
+        squares, n = reduce_sum(torch.stack([squares, n]))
     denom = (n - 1).clamp(min=1) if unbiased else n.clamp(min=1)
-    return (centered**2).sum() / denom
+    return squares / denom
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+def masked_whiten(
+    x: Tensor, mask: Tensor, shift_mean: bool = True, reduce_sum: Reducer = None
+) -> Tensor:
     """Whiten ``x`` with statistics of its valid elements. [TRL ``masked_whiten``, Huang]
 
     ``whitened = (x - mean) * rsqrt(var + 1e-8)`` with mean and unbiased variance over
@@ -86,13 +107,14 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
         x: ``(b, response_len)``.
         mask: ``(b, response_len)`` bool or 0/1, True = valid.
         shift_mean: if False, keep the original mean (used for rewards).
+        reduce_sum: sums over every process: whiten with the global batch's statistics.
 
     Returns:
         ``(b, response_len)``; masked-out positions are 0.
     """
     m = _bool_mask(mask)
-    mean = masked_mean(x, m)
-    var = masked_var(x, m, unbiased=True)
+    mean = masked_mean(x, m, reduce_sum=reduce_sum)
+    var = masked_var(x, m, unbiased=True, reduce_sum=reduce_sum)
     whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
     if not shift_mean:
         whitened = whitened + mean
@@ -268,7 +290,9 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+def explained_variance(
+    values: Tensor, returns: Tensor, mask: Tensor, reduce_sum: Reducer = None
+) -> Tensor:
     """``1 - var(returns - values) / var(returns)`` over valid elements. [Huang, TRL]
 
     Uses the unbiased :func:`masked_var`. Returns 0.0 when ``var(returns)`` is 0
@@ -278,12 +302,13 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
         values: ``(b, response_len)`` value predictions.
         returns: ``(b, response_len)`` returns.
         mask: ``(b, response_len)`` bool or 0/1, True = valid.
+        reduce_sum: sums over every process: the global batch's variances.
 
     Returns:
         Scalar float tensor.
     """
-    var_y = masked_var(returns, mask)
-    var_diff = masked_var(returns - values, mask)
+    var_y = masked_var(returns, mask, reduce_sum=reduce_sum)
+    var_diff = masked_var(returns - values, mask, reduce_sum=reduce_sum)
     safe = torch.where(var_y > 0, var_y, torch.ones_like(var_y))
     return torch.where(var_y > 0, 1.0 - var_diff / safe, torch.zeros_like(var_y))
 

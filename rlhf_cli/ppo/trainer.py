@@ -80,16 +80,27 @@ def sample_batch(ctx: PPOContext) -> list[int]:
     return draws[:n][acc.process_index :: acc.num_processes]
 
 
-def advantages_of(rollout: Rollout, kl_coef: float, cfg: PpoSection) -> tuple[torch.Tensor, ...]:
-    """KL-shaped per-token rewards → GAE → whitened advantages (Huang et al. details 5-7)."""
+def global_sum(acc: Any) -> core.Reducer:
+    """Sums over every process (an all-reduce), so whitening and statistics are those of the
+    global batch; None on one process."""
+    if acc.num_processes == 1:
+        return None
+    return lambda t: acc.reduce(t.to(acc.device).contiguous(), "sum").to(t.device)
+
+
+def advantages_of(
+    rollout: Rollout, kl_coef: float, cfg: PpoSection, reduce_sum: core.Reducer = None
+) -> tuple[torch.Tensor, ...]:
+    """KL-shaped per-token rewards → GAE → whitened advantages (Huang et al. details 5-7),
+    whitened over the global batch when `reduce_sum` sums over processes."""
     mask = rollout.response_mask
     rewards, kl = core.kl_penalized_rewards(
         rollout.scores, rollout.logprobs, rollout.ref_logprobs, mask, kl_coef
     )
     if cfg.whiten_rewards:
-        rewards = core.masked_whiten(rewards, mask, shift_mean=False)
+        rewards = core.masked_whiten(rewards, mask, shift_mean=False, reduce_sum=reduce_sum)
     advantages, returns = core.compute_gae(rollout.values, rewards, mask, cfg.gamma, cfg.lam)
-    return rewards, kl, core.masked_whiten(advantages, mask), returns
+    return rewards, kl, core.masked_whiten(advantages, mask, reduce_sum=reduce_sum), returns
 
 
 def minibatch_loss(
@@ -184,7 +195,7 @@ def iteration_metrics(
     stats: dict[str, float],
 ) -> dict[str, float]:
     acc, mask = ctx.accelerator, rollout.response_mask
-    lengths = mask.sum(1).float()
+    lengths, reduce_sum = mask.sum(1).float(), global_sum(ctx.accelerator)
     reward_mean, reward_std = _gather_mean_std(acc, rollout.scores)
     metrics = {
         "env/reward_mean": reward_mean,
@@ -196,12 +207,16 @@ def iteration_metrics(
         "ppo/mean_non_score_reward": _gather_mean_std(
             acc, (rewards.sum(1) - rollout.scores).detach()
         )[0],
-        "ppo/val/explained_variance": float(core.explained_variance(rollout.values, returns, mask)),
-        "ppo/val/mean": float(core.masked_mean(rollout.values, mask)),
-        "ppo/returns/mean": float(core.masked_mean(returns, mask)),
+        "ppo/val/explained_variance": float(
+            core.explained_variance(rollout.values, returns, mask, reduce_sum)
+        ),
+        "ppo/val/mean": float(core.masked_mean(rollout.values, mask, reduce_sum=reduce_sum)),
+        "ppo/returns/mean": float(core.masked_mean(returns, mask, reduce_sum=reduce_sum)),
         "response/length_mean": _gather_mean_std(acc, lengths)[0],
         "response/ended_frac": _gather_mean_std(acc, rollout.ended.float())[0],
-        "reward/truncated_inputs": float(rollout.n_truncated),
+        "reward/truncated_inputs": float(
+            acc.reduce(torch.tensor(float(rollout.n_truncated), device=acc.device), "sum")
+        ),
     }
     for key, value in stats.items():
         metrics[key] = float(acc.reduce(torch.tensor(value, device=acc.device), "mean"))
@@ -315,7 +330,7 @@ def run_iteration(
         )
     # 2. Advantages from KL-shaped rewards (β as it stands at this iteration).
     kl_coef = ctx.kl_ctl.value
-    rewards, kl, advantages, returns = advantages_of(rollout, kl_coef, cfg)
+    rewards, kl, advantages, returns = advantages_of(rollout, kl_coef, cfg, global_sum(acc))
     # 3. Update: K epochs over shuffled mini-batches.
     t_update = time.perf_counter()
     stats = ppo_update(ctx, rollout, advantages, returns)
@@ -325,17 +340,17 @@ def run_iteration(
     if math.isfinite(metrics["objective/kl"]):
         ctx.kl_ctl.update(metrics["objective/kl"], cfg.batch_size)
     n_tokens = float(acc.reduce(rollout.response_mask.sum().float(), "sum"))
-    mismatch = torch.tensor(logprob_mismatch(rollout), device=acc.device)
-    metrics.update(
-        {
-            "rollout/logprob_mismatch": float(acc.reduce(mismatch, "max")),
-            **rollout.timings,
-            "time/update_s": update_s,
-            "time/iteration_s": time.perf_counter() - t0,
-            "tokens/generated_per_s": n_tokens / rollout.timings["time/rollout_s"],
-            "iteration": iteration,
-        }
-    )
+    # the slowest process sets the pace: times (and the mismatch) are maxima over processes
+    slowest = {
+        **rollout.timings,
+        "time/update_s": update_s,
+        "time/iteration_s": time.perf_counter() - t0,
+        "rollout/logprob_mismatch": logprob_mismatch(rollout),
+    }
+    maxima = acc.reduce(torch.tensor(list(slowest.values()), device=acc.device), "max")
+    metrics.update(dict(zip(slowest, maxima.tolist(), strict=True)))
+    metrics["tokens/generated_per_s"] = n_tokens / metrics["time/rollout_s"]
+    metrics["iteration"] = iteration
     return metrics, rollout, kl
 
 
