@@ -133,14 +133,14 @@ def ppo_loss(actor: Any, batch: dict, variant: dict[str, bool]) -> Any:
     """PPO's mini-batch loss (as ppo/trainer.py: minibatch_loss), entropy_coef 0."""
     import torch
 
-    from rlhf_cli.generation import response_logprobs
+    from rlhf_cli.generation import response_logprobs, score_temperature
     from rlhf_cli.ppo import core
     from rlhf_cli.recipe import PpoSection
 
     cfg = PpoSection()
     mask = batch["response_mask"]
     logits, values = logits_and_values(actor, batch, variant["response_logits"])
-    logprobs, scaled = response_logprobs(logits, batch["response_ids"], cfg.generation)
+    logprobs = response_logprobs(logits, batch["response_ids"], cfg.generation)
     pg_loss, _ = core.ppo_policy_loss(
         logprobs, batch["old_logprobs"], batch["advantages"], mask, cfg.cliprange
     )
@@ -148,6 +148,7 @@ def ppo_loss(actor: Any, batch: dict, variant: dict[str, bool]) -> Any:
         values, batch["old_values"], batch["returns"], mask, cfg.cliprange_value
     )
     with torch.no_grad() if variant["entropy_no_grad"] else nullcontext():
+        scaled = logits.float() / score_temperature(cfg.generation)
         entropy = core.masked_mean(core.entropy_from_logits(scaled), mask)
     return pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy
 

@@ -208,11 +208,9 @@ def sampling_warpers(gen: GenerationSection) -> Any:
 LOGPROB_CHUNK_ROWS = 128  # token positions per chunk of the warped log-softmax
 
 
-def response_logprobs(
-    logits: Tensor, response_ids: Tensor, gen: GenerationSection
-) -> tuple[Tensor, Tensor]:
+def response_logprobs(logits: Tensor, response_ids: Tensor, gen: GenerationSection) -> Tensor:
     """Log-probs (b, r) of the response tokens under the distribution the sampler drew them
-    from, and the temperature-scaled logits (b, r, vocab) (the full distribution, for entropy).
+    from.
 
     logits (b, r, vocab) are the ones predicting each response token (`response_logits`). The
     sampler's warpers decide, without gradient, which tokens each row keeps (the sampled token
@@ -237,8 +235,7 @@ def response_logprobs(
             ))  # fmt: skip
         else:
             chunks.append(_kept_logprobs(rows, ids, keep, temperature))
-    logprobs = torch.cat(chunks).view(b, r) if chunks else logits.new_zeros(b, r).float()
-    return logprobs, logits.float() / temperature
+    return torch.cat(chunks).view(b, r) if chunks else logits.new_zeros(b, r).float()
 
 
 @torch.no_grad()

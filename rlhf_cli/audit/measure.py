@@ -46,10 +46,10 @@ def _kl_to_reference(
     for answers in batches:
         ids, mask, width = answers.input_ids, answers.attention_mask, answers.response_ids.shape[1]
         logits = response_logits(model, ids, mask, width)
-        logp, _ = response_logprobs(logits, answers.response_ids, gen)
+        logp = response_logprobs(logits, answers.response_ids, gen)
         with reference.model() as ref:
             ref_logits = response_logits(ref, ids, mask, width)
-        ref_logp, _ = response_logprobs(ref_logits, answers.response_ids, gen)
+        ref_logp = response_logprobs(ref_logits, answers.response_ids, gen)
         totals.append(((logp - ref_logp) * answers.response_mask).sum(1))
     return float(torch.cat(totals).mean())
 

@@ -110,11 +110,11 @@ def collect_rollout(
         ids, mask = input_ids[s : s + step], attention_mask[s : s + step]
         resp = answers.response_ids[s : s + step]
         logits, values = actor(ids, mask, width)
-        parts["logprobs"].append(response_logprobs(logits, resp, cfg.generation)[0])
+        parts["logprobs"].append(response_logprobs(logits, resp, cfg.generation))
         parts["values"].append(values)
         with reference.model() as ref:
             ref_logits = response_logits(ref, ids, mask, width)
-        parts["ref_logprobs"].append(response_logprobs(ref_logits, resp, cfg.generation)[0])
+        parts["ref_logprobs"].append(response_logprobs(ref_logits, resp, cfg.generation))
         del logits, ref_logits
     timings["time/logprobs_s"] = time.perf_counter() - start
     return Rollout(

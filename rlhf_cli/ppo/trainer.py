@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from rlhf_cli.errors import CheckpointWriteError, NonFiniteError
-from rlhf_cli.generation import Generator, response_logprobs
+from rlhf_cli.generation import Generator, response_logprobs, score_temperature
 from rlhf_cli.modeling import Reference
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.checkpoint import save_checkpoint
@@ -119,7 +119,7 @@ def minibatch_loss(
     batch = rollout.select(idx)
     mask = batch["response_mask"]
     logits, values = actor(batch["input_ids"], batch["attention_mask"], mask.shape[1])
-    logprobs, scaled_logits = response_logprobs(logits, batch["response_ids"], cfg.generation)
+    logprobs = response_logprobs(logits, batch["response_ids"], cfg.generation)
     pg_loss, clipfrac = core.ppo_policy_loss(
         logprobs, rollout.logprobs[idx], advantages[idx], mask, cfg.cliprange
     )
@@ -127,7 +127,8 @@ def minibatch_loss(
         values, rollout.values[idx], returns[idx], mask, cfg.cliprange_value
     )
     with nullcontext() if cfg.entropy_coef > 0 else torch.no_grad():
-        entropy = core.masked_mean(core.entropy_from_logits(scaled_logits), mask)
+        scaled = logits.float() / score_temperature(cfg.generation)  # the full distribution
+        entropy = core.masked_mean(core.entropy_from_logits(scaled), mask)
     loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy
     parts = {
         "ppo/loss/policy": pg_loss,

@@ -58,10 +58,9 @@ def test_logprobs_use_the_sampling_temperature():
     logits = torch.randn(2, 3, 11)
     response = torch.randint(0, 11, (2, 3))
     gen = GenerationSection(temperature=0.7, top_p=1.0, top_k=0)
-    logprobs, scaled = response_logprobs(logits, response, gen)
+    logprobs = response_logprobs(logits, response, gen)
     expected = torch.log_softmax(logits / 0.7, -1).gather(-1, response[..., None])[..., 0]
     assert_close(logprobs, expected)
-    assert_close(scaled, logits / 0.7)
 
 
 def test_logprobs_follow_top_k_and_top_p_by_hand():
@@ -71,21 +70,21 @@ def test_logprobs_follow_top_k_and_top_p_by_hand():
     token = torch.tensor([[1]])
     # top-p 0.8: the ascending cumulative mass of 0.03, 0.07 (0.10) is <= 0.2 -> both cut; 0.2
     # stays (cumulative 0.30 > 0.2): support {0.4, 0.3, 0.2}, p(token 1) = 0.3 / 0.9
-    lp, _ = response_logprobs(logits, token, GenerationSection(temperature=1.0, top_p=0.8))
+    lp = response_logprobs(logits, token, GenerationSection(temperature=1.0, top_p=0.8))
     assert_close(lp, torch.tensor([[math.log(0.3 / 0.9)]]))
     # top-k 2: support {0.4, 0.3}: p = 0.3 / 0.7
-    lp, _ = response_logprobs(logits, token, GenerationSection(temperature=1.0, top_p=1.0,
+    lp = response_logprobs(logits, token, GenerationSection(temperature=1.0, top_p=1.0,
                                                                top_k=2))  # fmt: skip
     assert_close(lp, torch.tensor([[math.log(0.3 / 0.7)]]))
     # greedy decoding: the plain softmax
-    lp, _ = response_logprobs(logits, token, GenerationSection(do_sample=False, top_p=0.5))
+    lp = response_logprobs(logits, token, GenerationSection(do_sample=False, top_p=0.5))
     assert_close(lp, torch.tensor([[math.log(0.3)]]))
 
 
 def test_a_token_the_nucleus_no_longer_holds_keeps_a_finite_logprob():
     # token 4 (p 0.03) is outside top-p 0.8; it is put back into the support, not -inf
     probs = torch.tensor([0.4, 0.3, 0.2, 0.07, 0.03])
-    lp, _ = response_logprobs(probs.log().view(1, 1, 5), torch.tensor([[4]]),
+    lp = response_logprobs(probs.log().view(1, 1, 5), torch.tensor([[4]]),
                               GenerationSection(temperature=1.0, top_p=0.8))  # fmt: skip
     assert_close(lp, torch.tensor([[math.log(0.03 / 0.93)]]))
 
@@ -169,7 +168,7 @@ def test_sampler_logprobs_match_the_training_forward(tiny_lm, top_p, top_k):
     width = out.response_ids.shape[1]
     with torch.no_grad():
         logits = response_logits(model, out.input_ids, out.attention_mask, width)
-    logprobs, _ = response_logprobs(logits, out.response_ids, gen)
+    logprobs = response_logprobs(logits, out.response_ids, gen)
     diff = (out.sampler_logprobs - logprobs).abs()[out.response_mask]
     assert diff.max() < 1e-4
     assert model.generation_config.repetition_penalty == 3.0  # the model's own config is kept
@@ -200,10 +199,10 @@ def test_chunked_logprobs_give_the_same_values_and_gradients(monkeypatch, top_p)
     logits = torch.randn(3, 5, 17, requires_grad=True)
     ids = torch.randint(0, 17, (3, 5))
     gen = GenerationSection(temperature=0.9, top_p=top_p)
-    whole, _ = response_logprobs(logits, ids, gen)
+    whole = response_logprobs(logits, ids, gen)
     (grad_whole,) = torch.autograd.grad(whole.sum(), logits)
     monkeypatch.setattr(generation, "LOGPROB_CHUNK_ROWS", 4)  # 15 positions: 4 uneven chunks
-    chunked, _ = response_logprobs(logits, ids, gen)
+    chunked = response_logprobs(logits, ids, gen)
     (grad_chunked,) = torch.autograd.grad(chunked.sum(), logits)
     assert_close(chunked, whole)
     assert_close(grad_chunked, grad_whole)
