@@ -214,31 +214,16 @@ def run_theirs(s: Settings, work: Path, tag: str) -> dict[str, Any]:
     from trl import RLOOConfig, RLOOTrainer
 
     from rlhf_cli.data import load_prompts
-    from rlhf_cli.modeling import (
-        freeze,
-        load_reward_model,
-        load_tokenizer,
-        lora_config,
-        set_dropout,
-    )
+    from rlhf_cli.modeling import load_tokenizer, lora_config
     from rlhf_cli.recipe import load_recipe
-    from rlhf_cli.scoring import RewardScorer
+    from rlhf_cli.stages.trained import frozen_scorer
 
     recipe = load_recipe(write_recipe(s, work, tag, lora=True))
     device = torch.device("cpu")
     tokenizer = load_tokenizer(s.model, padding_side="left")
     prompts = load_prompts(recipe.data.prompts, cache_dir=work / ".cache")
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts]})
-    rm_cfg = recipe.reward
-    reward_model = freeze(load_reward_model(s.reward_model, device, rm_cfg.dtype))
-    set_dropout(reward_model, 0.0)
-    scorer = RewardScorer(
-        reward_model,
-        load_tokenizer(s.reward_model, padding_side="right"),
-        rm_cfg.template,
-        rm_cfg.max_length,
-        rm_cfg.score_batch_size,
-    )
+    scorer = frozen_scorer(recipe.reward, s.reward_model, s.reward_model, device)
 
     def reward_model_score(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
         """The same scorer as ours: prompt text and stripped completion through the template."""

@@ -323,7 +323,8 @@ def load_reward_model(
     trust_remote_code: bool = False,
     num_labels: int = 1,
 ) -> Any:
-    """A sequence-classification model with one logit (the score)."""
+    """A sequence-classification model with one logit (the score). Its pad id is set by the
+    `RewardScorer` that uses it, to its tokenizer's."""
     from transformers import AutoModelForSequenceClassification
 
     path = resolve_model_path(name_or_path)
@@ -334,8 +335,6 @@ def load_reward_model(
         dtype=resolve_dtype(dtype, device),
         trust_remote_code=trust_remote_code,
     )
-    if model.config.pad_token_id is None and getattr(model.config, "eos_token_id", None):
-        model.config.pad_token_id = model.config.eos_token_id
     return model.to(device)
 
 

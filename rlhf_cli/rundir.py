@@ -105,7 +105,12 @@ class RunDir:
         pointer = Path(output_dir) / "LATEST"
         if not pointer.is_file():
             return None
-        name = pointer.read_text().strip()
+        try:
+            name = pointer.read_text(encoding="utf-8").strip()
+        except UnicodeDecodeError:
+            raise StageError(
+                f"{pointer} is damaged (not a run name): pass --recipe, or delete it"
+            ) from None
         return cls(output_dir, name) if name and (Path(output_dir) / name).is_dir() else None
 
     @classmethod

@@ -19,7 +19,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from rlhf_cli.errors import RlhfError
+from rlhf_cli.errors import DataError, RlhfError
 
 
 def make_console(quiet: bool = False, json_mode: bool = False) -> Console:
@@ -120,6 +120,20 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL log (none when the file is missing). A last line cut short (a run
+    killed while writing it) is dropped; any other line that is not a JSON object is a
+    DataError naming the file and line."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif number < len(lines):
+            raise DataError(f"{path}:{number}: not a JSON object; the log is damaged")
+    return rows

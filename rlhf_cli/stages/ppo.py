@@ -25,9 +25,7 @@ from rlhf_cli.errors import DataError, ModelLoadError, StageError
 from rlhf_cli.generation import generator_for, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
-    freeze,
     load_backbone,
-    load_reward_model,
     load_sft_model,
     load_tokenizer,
     make_trainable,
@@ -44,9 +42,8 @@ from rlhf_cli.ppo.models import PolicyAndValue, ValueModel, hidden_size_of, zero
 from rlhf_cli.ppo.trainer import PPOContext, summarize, train
 from rlhf_cli.recipe import PpoSection, Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes
-from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import seed_everything
-from rlhf_cli.stages.trained import policy_source, reward_source
+from rlhf_cli.stages.trained import frozen_scorer, policy_source, reward_source
 from rlhf_cli.tracking import MetricsWriter, read_metrics
 
 
@@ -81,10 +78,12 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     inputs: dict[str, Any] = {}
     sources = PpoSources(*policy_source(recipe, run, inputs), *reward_source(recipe, run, inputs))
     seed_everything(recipe.run.seed + accelerator.process_index)
+    # found before the manifest is touched: a refused --resume leaves the last result's intact
+    checkpoint = resume_point(run.stage_dir("ppo")) if resume else None
     with StageRecord(
         run, "ppo", recipe, inputs=inputs, write=accelerator.is_main_process
     ) as record:
-        ctx, start = setup(recipe, run, sources, accelerator, record, console, resume)
+        ctx, start = setup(recipe, run, sources, accelerator, record, console, checkpoint)
         try:
             summary = train(ctx, start)
         finally:
@@ -104,7 +103,7 @@ def setup(
     accelerator: Any,
     record: StageRecord,
     console: Console,
-    resume: bool,
+    checkpoint: tuple[Path, list[str]] | None,
 ) -> tuple[PPOContext, int]:
     """Everything the loop needs, and the iteration to start after (0, or the checkpoint's)."""
     cfg, device, stage_dir = recipe.ppo, accelerator.device, run.stage_dir("ppo")
@@ -116,7 +115,8 @@ def setup(
         console.print(f"[yellow]warning[/]: {escape(warning)}", highlight=False)
 
     # 2. Models: frozen reward model, actor (policy + value), reference.
-    scorer, same_tokenizer = load_ppo_scorer(recipe, sources, device, tokenizer)
+    scorer = frozen_scorer(recipe.reward, sources.reward, sources.reward_tokenizer, device)
+    same_tokenizer = scorer.tokenizer.get_vocab() == tokenizer.get_vocab()
     actor, reference = build_actor(recipe, sources, device, scorer.model, same_tokenizer)
     check_fit(recipe, actor.policy, scorer.model, scorer.tokenizer)
     chat = recipe.model.prompt_format == "chat"
@@ -125,10 +125,10 @@ def setup(
     # 3. Optimizer, schedule, KL controller, prompt sampler; then resume if asked.
     optimizer, scheduler, kl_ctl, sampler = optimization(recipe, actor)
     state: dict[str, Any] = {"iteration": 0}
-    if not resume and accelerator.is_main_process:  # old checkpoints must not be resumed later
+    if checkpoint is None and accelerator.is_main_process:  # never resume an earlier run later
         shutil.rmtree(stage_dir / "checkpoints", ignore_errors=True)
-    if resume:
-        state = _resume(record, stage_dir, actor, optimizer, scheduler, kl_ctl, sampler, console)
+    if checkpoint is not None:
+        state = _resume(record, checkpoint, actor, optimizer, scheduler, kl_ctl, sampler, console)
     start = int(state["iteration"])
     prepared_actor, optimizer = accelerator.prepare(actor, optimizer)
 
@@ -214,29 +214,6 @@ def optimization(recipe: Recipe, actor: PolicyAndValue) -> tuple[Any, Any, Any, 
     return optimizer, get_constant_schedule(optimizer), kl_ctl, sampler
 
 
-def load_ppo_scorer(
-    recipe: Recipe, sources: PpoSources, device: torch.device, tokenizer: Any
-) -> tuple[RewardScorer, bool]:
-    """The frozen reward model as a scorer, and whether it shares the policy's tokenizer."""
-    reward_tokenizer = load_tokenizer(
-        sources.reward_tokenizer, recipe.reward.trust_remote_code, "right"
-    )
-    model = freeze(
-        load_reward_model(
-            sources.reward, device, recipe.reward.dtype, recipe.reward.trust_remote_code
-        )
-    )
-    set_dropout(model, 0.0)
-    scorer = RewardScorer(
-        model,
-        reward_tokenizer,
-        recipe.reward.template,
-        recipe.reward.max_length,
-        recipe.reward.score_batch_size,
-    )
-    return scorer, reward_tokenizer.get_vocab() == tokenizer.get_vocab()
-
-
 def startup_warnings(recipe: Recipe, run: RunDir, prompts: list[str]) -> list[str]:
     """The guide's "common mistakes" that do not stop a run: too many PPO epochs, PPO prompts
     the reward model was trained on."""
@@ -277,9 +254,22 @@ def _live_audit(recipe: Recipe, chat: bool) -> Callable[[PPOContext], dict[str, 
     return audit
 
 
+def resume_point(stage_dir: Path) -> tuple[Path, list[str]]:
+    """The newest whole checkpoint under `stage_dir/checkpoints` and a note for each newer,
+    damaged one skipped; StageError when there is none."""
+    folder, notes = newest_valid(stage_dir / "checkpoints")
+    if folder is None:
+        raise StageError(
+            f"--resume: no usable checkpoint under {stage_dir / 'checkpoints'}"
+            + (f" ({len(notes)} damaged)" if notes else "")
+            + "; run `rlhf ppo` without --resume to start over"
+        )
+    return folder, notes
+
+
 def _resume(
     record: StageRecord,
-    stage_dir: Path,
+    checkpoint: tuple[Path, list[str]],
     actor: PolicyAndValue,
     optimizer: Any,
     scheduler: Any,
@@ -287,17 +277,13 @@ def _resume(
     sampler: torch.Generator,
     console: Console,
 ) -> dict[str, Any]:
-    """Restore the newest whole checkpoint in place; return its `state.json` (iteration, health
-    rules fired, score moments)."""
-    folder, notes = newest_valid(stage_dir / "checkpoints")
+    """Restore `checkpoint` (from `resume_point`) in place; return its `state.json` (iteration,
+    health rules fired, score moments)."""
+    folder, notes = checkpoint
     for note in notes:
         console.print(f"[yellow]resume[/]: {note}")
         record.warn(note)
-    if folder is None:
-        raise StageError(
-            f"--resume: no usable checkpoint under {stage_dir / 'checkpoints'}; "
-            "run `rlhf ppo` without --resume to start over"
-        )
+    stage_dir = folder.parent.parent
     state, value_state = load_checkpoint(
         folder,
         policy=actor.policy,
@@ -324,15 +310,11 @@ def score_moments(cfg: PpoSection, state: dict[str, Any]) -> core.RunningMoments
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop lines logged after the checkpoint, so the resumed log has one line per iteration."""
-    if not path.is_file():
-        return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= last_step
-    ]
-    atomic_write_bytes(path, ("\n".join(keep) + "\n" if keep else "").encode())
+    """Drop lines logged after the checkpoint (and a last line cut short by a kill), so the
+    resumed log has one line per iteration."""
+    keep = [json.dumps(row) for row in read_metrics(path) if row.get("step", 0) <= last_step]
+    if path.is_file():
+        atomic_write_bytes(path, ("\n".join(keep) + "\n" if keep else "").encode())
 
 
 def build_actor(

@@ -102,7 +102,6 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
     )
     dtype = cfg.dtype if cfg.lora.enabled else "float32"  # fully trained: fp32 master weights
     model = load_reward_model(cfg.base_model, device, dtype, cfg.trust_remote_code)
-    model.config.pad_token_id = tokenizer.pad_token_id
     scorer = RewardScorer(model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size)
     prompts = [p["prompt"] for p in train_pairs]
     encoded, n_truncated = {}, 0

@@ -25,7 +25,7 @@ from rlhf_cli.modeling import (
     make_trainable,
     set_dropout,
 )
-from rlhf_cli.recipe import ModelSection, Recipe
+from rlhf_cli.recipe import ModelSection, Recipe, RewardSection
 from rlhf_cli.rundir import RunDir
 from rlhf_cli.scoring import RewardScorer
 
@@ -139,19 +139,20 @@ def load_trained_policy(
 
 
 def load_scorer(recipe: Recipe, run: RunDir, device: torch.device) -> RewardScorer | None:
-    """The run's reward model as a scorer, or None when it is not at hand."""
-    try:
-        path, tok = reward_source(recipe, run, {}, "this command")
-    except StageError:
+    """The run's reward model as a scorer; None when the run has none (no `rm` stage and no
+    `reward.pretrained`). A failed or damaged `rm` stage is an error, not a silent None."""
+    if recipe.reward.pretrained is None and run.read_manifest("rm") is None:
         return None
-    model = freeze(
-        load_reward_model(path, device, recipe.reward.dtype, recipe.reward.trust_remote_code)
-    )
+    path, tok = reward_source(recipe, run, {}, "this command")
+    return frozen_scorer(recipe.reward, path, tok, device)
+
+
+def frozen_scorer(
+    cfg: RewardSection, model_path: str, tokenizer_path: str, device: torch.device
+) -> RewardScorer:
+    """A frozen reward model (eval mode, dropout off) with its own tokenizer (right padding)
+    as a scorer of `cfg.template` texts."""
+    model = freeze(load_reward_model(model_path, device, cfg.dtype, cfg.trust_remote_code))
     set_dropout(model, 0.0)
-    return RewardScorer(
-        model,
-        load_tokenizer(tok, recipe.reward.trust_remote_code, "right"),
-        recipe.reward.template,
-        recipe.reward.max_length,
-        recipe.reward.score_batch_size,
-    )
+    tokenizer = load_tokenizer(tokenizer_path, cfg.trust_remote_code, "right")
+    return RewardScorer(model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size)

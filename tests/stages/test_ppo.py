@@ -218,6 +218,14 @@ def test_corrupt_newest_checkpoint_falls_back(pipeline, tmp_path, small_recipe):
     assert any("iter_00008 is corrupt" in w for w in manifest["warnings"])
     assert manifest["metrics"]["iterations"] == 8
 
+    # every checkpoint damaged: --resume is refused before the finished run's manifest is touched
+    for folder in checkpoints.glob("iter_*"):
+        (folder / "optimizer.pt").write_bytes(b"x")
+    with pytest.raises(StageError, match=r"no usable checkpoint .*\(2 damaged\)"):
+        run_ppo(recipe, QUIET, resume=True)
+    kept = RunDir.for_recipe(recipe).read_manifest("ppo")
+    assert kept["status"] == "completed" and kept["outputs"]["adapter"] == "adapter"
+
 
 def test_missing_sft_names_the_command(tmp_path, small_recipe):
     from rlhf_cli.stages.ppo import run_ppo

@@ -76,6 +76,12 @@ def test_latest_follows_the_last_prepared_run(recipe: Recipe, tmp_path: Path) ->
     assert RunDir.latest(tmp_path / "runs").name == "second"
 
 
+def test_a_damaged_latest_pointer_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "LATEST").write_bytes(b"\x00\xff")
+    with pytest.raises(StageError, match=r"LATEST is damaged .*--recipe"):
+        RunDir.latest(tmp_path)
+
+
 def test_latest_ignores_a_pointer_to_a_missing_run(tmp_path: Path) -> None:
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "LATEST").write_text("gone\n")

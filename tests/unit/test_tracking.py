@@ -164,6 +164,32 @@ def test_read_metrics_skips_blank_lines(tmp_path):
     assert read_metrics(path) == [{"step": 1}, {"step": 2, "loss": None}]
 
 
+def test_a_last_line_cut_short_by_a_kill_is_dropped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo', encoding="utf-8")
+    assert read_metrics(path) == [{"step": 1}, {"step": 2}]
+
+
+@pytest.mark.parametrize("bad", ['{"step": 2, "lo', "[1, 2]", "\udcff garbage"])
+def test_a_damaged_line_before_the_end_names_the_file_and_line(tmp_path, bad):
+    from rlhf_cli.errors import DataError
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n' + bad + '\n{"step": 3}\n', errors="surrogateescape")
+    with pytest.raises(DataError, match=r"metrics.jsonl:2: not a JSON object"):
+        read_metrics(path)
+
+
+def test_resume_truncation_keeps_whole_lines_up_to_the_checkpoint(tmp_path):
+    from rlhf_cli.stages.ppo import _truncate_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "lo', encoding="utf-8")
+    _truncate_jsonl(path, 2)
+    assert read_metrics(path) == [{"step": 1}, {"step": 2}]
+    assert path.read_text().endswith("}\n")
+
+
 @pytest.mark.parametrize(
     "quiet, json_mode, shown",
     [
