@@ -42,6 +42,7 @@ from rlhf_cli.ppo.models import PolicyAndValue, ValueModel, hidden_size_of, zero
 from rlhf_cli.ppo.trainer import PPOContext, summarize, train
 from rlhf_cli.recipe import PpoSection, Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes
+from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import frozen_scorer, policy_source, reward_source
 from rlhf_cli.tracking import MetricsWriter, read_metrics
@@ -116,8 +117,7 @@ def setup(
 
     # 2. Models: frozen reward model, actor (policy + value), reference.
     scorer = frozen_scorer(recipe.reward, sources.reward, sources.reward_tokenizer, device)
-    same_tokenizer = scorer.tokenizer.get_vocab() == tokenizer.get_vocab()
-    actor, reference = build_actor(recipe, sources, device, scorer.model, same_tokenizer)
+    actor, reference = build_actor(recipe, sources, device, scorer, tokenizer)
     check_fit(recipe, actor.policy, scorer.model, scorer.tokenizer)
     chat = recipe.model.prompt_format == "chat"
     queries = tokenize_prompts(tokenizer, prompts, chat, recipe.data.prompts.max_tokens)
@@ -321,28 +321,29 @@ def build_actor(
     recipe: Recipe,
     sources: PpoSources,
     device: torch.device,
-    reward_model: Any,
-    same_tokenizer: bool,
+    scorer: RewardScorer,
+    tokenizer: Any,
 ) -> tuple[PolicyAndValue, Reference]:
     """Policy (+ fresh LoRA), value head or critic, and the reference, dropout off. What trains
-    keeps fp32 master weights (`make_trainable`); frozen weights keep the recipe's dtype."""
+    keeps fp32 master weights (`make_trainable`); frozen weights keep the recipe's dtype. A
+    critic from the reward model (`value_init: reward_model`) needs the policy's `tokenizer`."""
     cfg = recipe.ppo
     policy, reference = build_policy(recipe, sources, device)
     if cfg.value_model == "shared":
         actor = PolicyAndValue(policy, value_head=zero_value_head(hidden_size_of(policy)))
     else:
-        if cfg.value_init == "reward_model" and not same_tokenizer:
+        from_reward = cfg.value_init == "reward_model"
+        if from_reward and scorer.tokenizer.get_vocab() != tokenizer.get_vocab():
             raise ModelLoadError(
                 "ppo.value_init: reward_model needs a reward model that shares "
                 "the policy's tokenizer; use value_init: policy"
             )
-        from_reward = cfg.value_init == "reward_model"
         source = resolve_model_path(sources.reward if from_reward else sources.base)
         # The critic follows the policy's settings: 4-bit base + LoRA, LoRA, or fp32 weights.
         backbone = load_backbone(source, recipe.model, device)
         head = zero_value_head(hidden_size_of(backbone))  # fp32, trained in full
         if from_reward:
-            head.load_state_dict(_reward_head(reward_model, sources.reward))
+            head.load_state_dict(_reward_head(scorer.model, sources.reward))
         set_dropout(backbone, 0.0)
         actor = PolicyAndValue(policy, critic=ValueModel(backbone, head))
     return actor.to(device), reference

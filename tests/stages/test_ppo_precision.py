@@ -50,7 +50,7 @@ def recipe_for(
 
 def actor_for(recipe: Recipe, folder: Path):
     sources = PpoSources(str(folder), None, str(folder), str(folder), str(folder))
-    return build_actor(recipe, sources, CPU, reward_model=None, same_tokenizer=True)[0]
+    return build_actor(recipe, sources, CPU, scorer=None, tokenizer=None)[0]
 
 
 def trained(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
