@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from rlhf_cli.errors import StageError
+from rlhf_cli.ppo.sharding import Engine, trainable_state
 from rlhf_cli.rundir import atomic_write_json, file_sha256
 
 INDEX = "checkpoint.json"
@@ -47,47 +48,59 @@ def set_rng_state(state: dict[str, Any], sampler: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        n: p.detach().cpu().contiguous() for n, p in module.named_parameters() if p.requires_grad
-    }
-
-
 def save_checkpoint(
     root: Path,
     iteration: int,
     *,
-    policy: torch.nn.Module,
-    value_state: dict[str, torch.Tensor],
+    engine: Engine,
+    actor: Any,
     optimizer: Any,
     scheduler: Any,
     kl_ctl: Any,
     sampler: torch.Generator,
     extra: dict[str, Any],
 ) -> Path:
-    """Write `iter_<iteration>` atomically; return its folder."""
+    """Write `iter_<iteration>` atomically; return its folder. Every process calls it: the
+    trained weights are gathered whole into `policy.safetensors` / `value.safetensors` (what
+    `rlhf audit` reads), the optimizer state is written as the engine shards it, and each
+    process keeps its own RNG state (`rng_<rank>.pt`)."""
+    acc = engine.acc
     final = root / f"iter_{iteration:05d}"
-    tmp = root / f".{final.name}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = root / f".{final.name}.tmp"
     try:
-        save_file(trainable_state(policy), tmp / "policy.safetensors")
-        save_file(value_state, tmp / "value.safetensors")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_state(sampler), tmp / "rng.pt")
-        atomic_write_json(
-            tmp / "state.json",
-            {"iteration": iteration, "kl_controller": kl_ctl.state_dict(), **extra},
-        )
-        files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
-        atomic_write_json(tmp / INDEX, {"iteration": iteration, "sha256": files})
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        with engine.gathered(actor) as whole:
+            if acc.is_main_process:
+                save_file(trainable_state(whole.policy), tmp / "policy.safetensors")
+                save_file(whole.value_state_dict(), tmp / "value.safetensors")
+        engine.save_state(actor, optimizer, tmp)
+        torch.save(rng_state(sampler), tmp / f"rng_{acc.process_index}.pt")
+        if acc.is_main_process:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            layout = {"engine": engine.name, "processes": acc.num_processes}
+            atomic_write_json(
+                tmp / "state.json",
+                {"iteration": iteration, "kl_controller": kl_ctl.state_dict(), **layout, **extra},
+            )
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            files = {
+                p.relative_to(tmp).as_posix(): file_sha256(p)
+                for p in sorted(tmp.rglob("*"))
+                if p.is_file()
+            }
+            atomic_write_json(tmp / INDEX, {"iteration": iteration, "sha256": files})
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    acc.wait_for_everyone()
     return final
 
 
@@ -127,29 +140,27 @@ def newest_valid(root: Path) -> tuple[Path | None, list[str]]:
 def load_checkpoint(
     folder: Path,
     *,
-    policy: torch.nn.Module,
+    engine: Engine,
+    actor: Any,
     optimizer: Any,
     scheduler: Any,
     kl_ctl: Any,
     sampler: torch.Generator,
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Restore state in place; return (state.json contents, value state dict)."""
-    weights = load_file(folder / "policy.safetensors")
-    expected = set(trainable_state(policy))
-    if set(weights) != expected:
-        raise StageError(
-            f"checkpoint {folder} does not match this recipe's trainable weights "
-            f"({len(set(weights) ^ expected)} names differ): start a new run name "
-            "or drop --resume"
-        )
-    device = next(policy.parameters()).device
-    with torch.no_grad():
-        params = dict(policy.named_parameters())
-        for name, tensor in weights.items():
-            params[name].copy_(tensor.to(device))
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
-    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+) -> dict[str, Any]:
+    """Restore state in place on every process; return `state.json`'s contents. A checkpoint
+    resumes under the engine and number of processes that wrote it."""
     state = json.loads((folder / "state.json").read_text())
+    acc = engine.acc
+    written = (state.get("engine", "ddp"), state.get("processes", 1))
+    if written != (engine.name, acc.num_processes):
+        raise StageError(
+            f"checkpoint {folder.name} was written by {written[0]} on {written[1]} process(es); "
+            f"this launch is {engine.name} on {acc.num_processes}: resume with the launch "
+            "command that wrote it"
+        )
+    engine.load_state(actor, optimizer, folder)
+    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
     kl_ctl.load_state_dict(state["kl_controller"])
-    set_rng_state(torch.load(folder / "rng.pt", weights_only=False), sampler)
-    return state, load_file(folder / "value.safetensors")
+    rng = torch.load(folder / f"rng_{acc.process_index}.pt", weights_only=False)
+    set_rng_state(rng, sampler)
+    return state

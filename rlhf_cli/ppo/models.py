@@ -77,11 +77,13 @@ class PolicyAndValue(nn.Module):
     def value_state_dict(self) -> dict[str, Tensor]:
         """What the value side trains: the shared head, or the critic's trained weights (its
         LoRA and head, or all of it): a frozen (4-bit) critic base is never written."""
+        # parameters as the module holds them now (whole inside a gather; state_dict() would
+        # give FSDP2's shards), copied (not views of a gather buffer)
         if self.critic is None:
-            items = self.value_head.state_dict().items()
+            items = self.value_head.named_parameters()
         else:
             items = ((n, p) for n, p in self.critic.named_parameters() if p.requires_grad)
-        return {k: v.detach().cpu().contiguous() for k, v in items}
+        return {k: v.detach().cpu().clone() for k, v in items}
 
     def load_value_state_dict(self, state: dict[str, Tensor]) -> None:
         """Restore `value_state_dict`'s weights; a state missing some raises StageError."""

@@ -27,6 +27,7 @@ from rlhf_cli.ppo.checkpoint import save_checkpoint
 from rlhf_cli.ppo.health import RANGES, HealthMonitor
 from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.ppo.rollout import Rollout, collect_rollout, logprob_mismatch
+from rlhf_cli.ppo.sharding import Engine
 from rlhf_cli.recipe import PpoSection
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.tracking import MetricsWriter, make_progress
@@ -38,7 +39,8 @@ class PPOContext:
 
     cfg: PpoSection
     accelerator: Any
-    actor: Any  # PolicyAndValue, possibly wrapped by DDP
+    engine: Engine  # how the actor is spread over the processes
+    actor: Any  # PolicyAndValue, as the engine wrapped it (DDP, DeepSpeed) or sharded it (FSDP2)
     reference: Reference
     scorer: RewardScorer
     generator: Generator
@@ -58,7 +60,7 @@ class PPOContext:
     history: list[dict[str, Any]] = field(default_factory=list)
     on_warning: Callable[[str], None] = print
     max_nonfinite: int = 3
-    audit: Callable[[PPOContext], dict[str, Any]] | None = None
+    audit: Callable[[PolicyAndValue], dict[str, Any]] | None = None  # on the whole actor
     audit_every: int | None = None
     audit_kl_step: float = 0.0
 
@@ -111,7 +113,8 @@ def minibatch_loss(
     advantages: torch.Tensor,
     returns: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The PPO loss of rollouts `idx` (b_mb of them) under the current policy, and its parts.
+    """The PPO loss of rollouts `idx` (b_mb of them) under the current policy, and its parts,
+    each a mean over this process's response tokens.
 
     Log-probs are those of the sampled distribution (generation.response_logprobs). The entropy
     bonus stays out of the autograd graph when its coefficient is 0: at a 32k vocabulary it
@@ -142,43 +145,65 @@ def minibatch_loss(
     return loss, parts
 
 
+def token_share(acc: Any, loss: torch.Tensor, mask: torch.Tensor) -> tuple[float, bool]:
+    """(this process's share of the global mini-batch's response tokens times the number of
+    processes, whether every process's loss is finite): one all-reduce.
+
+    A loss that is a mean over this process's tokens, multiplied by the share, averages over
+    the processes (as DDP, DeepSpeed and FSDP average gradients) to the mean over all the
+    mini-batch's tokens: the loss and gradient one process would compute on the whole
+    mini-batch, whatever the split of tokens between processes."""
+    local = mask.sum().float().to(acc.device)
+    nonfinite = (~torch.isfinite(loss.detach())).float().to(acc.device)
+    tokens, bad = acc.reduce(torch.stack([local, nonfinite]), "sum").tolist()
+    return float(local) * acc.num_processes / max(tokens, 1.0), bad == 0
+
+
 def ppo_update(
     ctx: PPOContext, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor
 ) -> dict[str, float]:
-    """`ppo_epochs` passes over shuffled mini-batches; an optimizer step every
-    `gradient_accumulation_steps` mini-batches; non-finite losses skip their mini-batch.
-    train() mode (gradient checkpointing needs it); dropout is 0 in every module (set at load)."""
+    """`ppo_epochs` passes over shuffled mini-batches; one optimizer step per
+    `gradient_accumulation_steps` mini-batches (accelerate's `accumulate`, which drives
+    DeepSpeed's boundary too); non-finite losses skip their mini-batch on every process.
+    train() mode (gradient checkpointing needs it); dropout is 0 in every module (set at load).
+    Logged parts are token means over the global mini-batch."""
     cfg, acc, actor = ctx.cfg, ctx.accelerator, ctx.actor
     actor.train()
     stats: dict[str, list[float]] = defaultdict(list)
     b = rollout.response_ids.shape[0]
     local_mb = max(1, cfg.mini_batch_size // acc.num_processes)
     params = [p for group in ctx.optimizer.param_groups for p in group["params"]]
-    skipped = micro = 0
+    acc.step = 0  # accumulation windows start with each iteration's update
+    skipped = 0
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(b)
         for start in range(0, b, local_mb):
             idx = order[start : start + local_mb]
-            last_micro = (micro + 1) % cfg.gradient_accumulation_steps == 0
-            with nullcontext() if last_micro else acc.no_sync(actor):
+            with acc.accumulate(actor):
                 loss, parts = minibatch_loss(cfg, actor, rollout, idx, advantages, returns)
-                finite = acc.reduce(torch.isfinite(loss).float().detach(), "min")
-                if finite.item() < 1:  # every process agrees, or DDP would hang
+                share, finite = token_share(acc, loss, rollout.response_mask[idx])
+                if not finite:  # every process agrees, or the collectives would hang
                     skipped += 1
                     continue
-                acc.backward(loss / cfg.gradient_accumulation_steps)
-            micro += 1
-            if last_micro:
-                stats["grad_norm"].append(float(acc.clip_grad_norm_(params, cfg.max_grad_norm)))
-                ctx.optimizer.step()
-                ctx.scheduler.step()
-                ctx.optimizer.zero_grad(set_to_none=True)
+                acc.backward(loss * share)
+                if acc.sync_gradients:
+                    norm = acc.clip_grad_norm_(params, cfg.max_grad_norm)
+                    stats["grad_norm"].append(_scalar(norm))
+                    ctx.optimizer.step()
+                    ctx.scheduler.step()
+                    ctx.optimizer.zero_grad(set_to_none=True)
             for key, value in parts.items():
-                stats[key].append(value.item())
-    ctx.optimizer.zero_grad(set_to_none=True)  # a trailing partial accumulation is dropped
+                stats[key].append(value.item() * share)
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
     out["ppo/skipped_minibatches"] = float(skipped)
     return out
+
+
+def _scalar(x: Any) -> float:
+    """A gradient norm as a float: a tensor, a DTensor (FSDP2) or DeepSpeed's float."""
+    if hasattr(x, "full_tensor"):
+        x = x.full_tensor()
+    return float(x) if x is not None else float("nan")
 
 
 def _gather_mean_std(acc: Any, x: torch.Tensor) -> tuple[float, float]:
@@ -252,35 +277,30 @@ def graceful_stop(console: Console) -> Iterator[dict[str, bool]]:
 # ── the loop ────────────────────────────────────────────────────────────────────────────────────
 
 
-def checkpoint(ctx: PPOContext, iteration: int) -> Path | None:
-    """Save on the main process; every process waits for it."""
-    path = None
-    if ctx.accelerator.is_main_process:
-        actor = ctx.unwrapped
-        try:
-            path = save_checkpoint(
-                ctx.stage_dir / "checkpoints",
-                iteration,
-                policy=actor.policy,
-                value_state=actor.value_state_dict(),
-                optimizer=ctx.optimizer,
-                scheduler=ctx.scheduler,
-                kl_ctl=ctx.kl_ctl,
-                sampler=ctx.sampler,
-                extra={
-                    "health_seen": sorted(ctx.health.seen),
-                    "score_moments": ctx.score_moments and ctx.score_moments.state_dict(),
-                },
-            )
-        except OSError as exc:
-            previous = sorted(p.name for p in (ctx.stage_dir / "checkpoints").glob("iter_*"))
-            raise CheckpointWriteError(
-                f"writing checkpoint iter_{iteration:05d} failed ({exc.strerror or exc}); "
-                f"the previous checkpoint ({previous[-1] if previous else 'none'}) and the "
-                "manifest are intact: free space, then `rlhf ppo --resume`"
-            ) from None
-    ctx.accelerator.wait_for_everyone()
-    return path
+def checkpoint(ctx: PPOContext, iteration: int) -> Path:
+    """Every process writes its part (`checkpoint.save_checkpoint`)."""
+    try:
+        return save_checkpoint(
+            ctx.stage_dir / "checkpoints",
+            iteration,
+            engine=ctx.engine,
+            actor=ctx.actor,
+            optimizer=ctx.optimizer,
+            scheduler=ctx.scheduler,
+            kl_ctl=ctx.kl_ctl,
+            sampler=ctx.sampler,
+            extra={
+                "health_seen": sorted(ctx.health.seen),
+                "score_moments": ctx.score_moments and ctx.score_moments.state_dict(),
+            },
+        )
+    except OSError as exc:
+        previous = sorted(p.name for p in (ctx.stage_dir / "checkpoints").glob("iter_*"))
+        raise CheckpointWriteError(
+            f"writing checkpoint iter_{iteration:05d} failed ({exc.strerror or exc}); "
+            f"the previous checkpoint ({previous[-1] if previous else 'none'}) and the "
+            "manifest are intact: free space, then `rlhf ppo --resume`"
+        ) from None
 
 
 def log_block(ctx: PPOContext, iteration: int, m: dict[str, float], rollout: Rollout) -> None:
@@ -317,9 +337,10 @@ def run_iteration(
     t0 = time.perf_counter()
     # 1. Rollout: sample prompts, generate, score, old log-probs, values, reference.
     index = sample_batch(ctx)
-    with acc.autocast():  # the precision the update computes in (fp32 master weights)
+    # the precision the update computes in (fp32 master weights); sharded weights gathered once
+    with acc.autocast(), ctx.engine.gathered(ctx.actor) as actor:
         rollout = collect_rollout(
-            ctx.unwrapped,
+            actor,
             ctx.reference,
             ctx.scorer,
             ctx.generator,
@@ -423,7 +444,8 @@ def _audit_metrics(ctx: PPOContext, iteration: int) -> dict[str, float]:
     if ctx.audit is None or not ctx.audit_every or iteration % ctx.audit_every:
         return {}
     acc = ctx.accelerator
-    report = ctx.audit(ctx) if acc.is_main_process else None
+    with ctx.engine.gathered(ctx.actor) as actor:  # every process joins the gather
+        report = ctx.audit(actor) if acc.is_main_process else None
     flagged = torch.tensor(float(bool(report and report["hacking_detected"])), device=acc.device)
     flagged_any = bool(acc.reduce(flagged, "max").item())
     if flagged_any:

@@ -39,6 +39,7 @@ from rlhf_cli.ppo import core
 from rlhf_cli.ppo.checkpoint import load_checkpoint, newest_valid
 from rlhf_cli.ppo.health import HealthMonitor
 from rlhf_cli.ppo.models import PolicyAndValue, ValueModel, hidden_size_of, zero_value_head
+from rlhf_cli.ppo.sharding import Engine, build_accelerator, engine_for, trainable_state
 from rlhf_cli.ppo.trainer import PPOContext, summarize, train
 from rlhf_cli.recipe import PpoSection, Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes
@@ -60,25 +61,17 @@ class PpoSources(NamedTuple):
 
 def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str, Any]:
     """Align the policy with PPO; write `runs/<name>/ppo/`; return its manifest."""
-    from accelerate import Accelerator
-
     run = RunDir.for_recipe(recipe)
     device = pick_device(recipe.run.device)
     # Trained weights stay fp32; a half-precision recipe computes under autocast (CUDA only).
-    accelerator = Accelerator(
+    accelerator = build_accelerator(
+        recipe,
         cpu=device.type == "cpu",
         mixed_precision=mixed_precision(resolve_dtype(recipe.model.dtype, device), device),
     )
-    world = accelerator.num_processes
-    if recipe.ppo.batch_size % world or recipe.ppo.mini_batch_size % world:
-        raise StageError(
-            f"ppo.batch_size ({recipe.ppo.batch_size}) and ppo.mini_batch_size "
-            f"({recipe.ppo.mini_batch_size}) must split evenly over {world} "
-            "processes"
-        )
     inputs: dict[str, Any] = {}
     sources = PpoSources(*policy_source(recipe, run, inputs), *reward_source(recipe, run, inputs))
-    seed_everything(recipe.run.seed + accelerator.process_index)
+    seed_everything(recipe.run.seed)  # the same fresh LoRA weights on every process
     # found before the manifest is touched: a refused --resume leaves the last result's intact
     checkpoint = resume_point(run.stage_dir("ppo")) if resume else None
     with StageRecord(
@@ -92,8 +85,9 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
             ctx.samples.close()
             record.manifest["metrics"] = {**summarize(ctx.history), "kl_coef_now": ctx.kl_ctl.value}
             record.save()
-        if accelerator.is_main_process:
-            save(ctx, recipe, sources, record, summary)
+        with ctx.engine.gathered(ctx.actor) as actor:  # the final weights, whole, saved once
+            if accelerator.is_main_process:
+                save(ctx, actor, recipe, sources, record, summary)
     return record.manifest
 
 
@@ -116,27 +110,35 @@ def setup(
         console.print(f"[yellow]warning[/]: {escape(warning)}", highlight=False)
 
     # 2. Models: frozen reward model, actor (policy + value), reference.
-    scorer = frozen_scorer(recipe.reward, sources.reward, sources.reward_tokenizer, device)
-    actor, reference = build_actor(recipe, sources, device, scorer, tokenizer)
+    engine = engine_for(accelerator)
+    with engine.loading():
+        scorer = frozen_scorer(recipe.reward, sources.reward, sources.reward_tokenizer, device)
+        actor, reference = build_actor(recipe, sources, device, scorer, tokenizer)
     check_fit(recipe, actor.policy, scorer.model, scorer.tokenizer)
     chat = recipe.model.prompt_format == "chat"
     queries = tokenize_prompts(tokenizer, prompts, chat, recipe.data.prompts.max_tokens)
 
-    # 3. Optimizer, schedule, KL controller, prompt sampler; then resume if asked.
-    optimizer, scheduler, kl_ctl, sampler = optimization(recipe, actor)
+    # 3. The engine wraps (or shards) the actor and builds its optimizer; schedule, KL
+    # controller, prompt sampler; then resume if asked.
+    prepared_actor, optimizer = engine.prepare(actor, adamw(cfg))
+    scheduler, kl_ctl, sampler = controllers(recipe, optimizer)
+    # Models are built alike everywhere (FSDP2 shards each process's own copy: no broadcast);
+    # from here each process samples its own responses.
+    seed_everything(recipe.run.seed + accelerator.process_index)
     state: dict[str, Any] = {"iteration": 0}
     if checkpoint is None and accelerator.is_main_process:  # never resume an earlier run later
         shutil.rmtree(stage_dir / "checkpoints", ignore_errors=True)
     if checkpoint is not None:
-        state = _resume(record, checkpoint, actor, optimizer, scheduler, kl_ctl, sampler, console)
+        parts = (engine, prepared_actor, optimizer, scheduler, kl_ctl, sampler)
+        state = _resume(record, checkpoint, parts, console)
     start = int(state["iteration"])
-    prepared_actor, optimizer = accelerator.prepare(actor, optimizer)
 
     # 4. Logs (appended to on resume) and the context the loop reads.
     is_main = accelerator.is_main_process
     ctx = PPOContext(
         cfg=cfg,
         accelerator=accelerator,
+        engine=engine,
         actor=prepared_actor,
         reference=reference,
         scorer=scorer,
@@ -157,7 +159,7 @@ def setup(
         health=HealthMonitor(state.get("health_seen")),
         score_moments=score_moments(cfg, state),
         on_warning=record.warn,
-        audit=_live_audit(recipe, chat),
+        audit=_live_audit(recipe, tokenizer, reference, scorer),
         audit_every=recipe.audit.every,
         audit_kl_step=recipe.audit.kl_coef_step,
         max_nonfinite=cfg.max_nonfinite,
@@ -171,15 +173,18 @@ def setup(
 
 def save(
     ctx: PPOContext,
+    actor: PolicyAndValue,
     recipe: Recipe,
     sources: PpoSources,
     record: StageRecord,
     summary: dict[str, Any],
 ) -> None:
-    """Final artifacts on the main process: adapter (or model), value head, tokenizer."""
-    actor, stage_dir = ctx.unwrapped, ctx.stage_dir
+    """Final artifacts on the main process, from the whole `actor`: adapter (or model), value
+    head, tokenizer."""
+    stage_dir = ctx.stage_dir
     kind = "adapter" if recipe.model.lora.enabled else "model"
-    actor.policy.save_pretrained(stage_dir / kind)
+    # the weights as the module holds them now (whole; state_dict() would give FSDP2's shards)
+    actor.policy.save_pretrained(stage_dir / kind, state_dict=trainable_state(actor.policy))
     ctx.tokenizer.save_pretrained(stage_dir / "tokenizer")
     save_file(actor.value_state_dict(), stage_dir / "value_head.safetensors")
     record.manifest["outputs"] = {
@@ -195,23 +200,32 @@ def save(
     record.manifest["metrics"] = {**summary, "kl_coef_now": ctx.kl_ctl.value}
 
 
-def optimization(recipe: Recipe, actor: PolicyAndValue) -> tuple[Any, Any, Any, torch.Generator]:
-    """AdamW over the trainable weights (eps and weight decay from the recipe), a constant
-    schedule, the KL controller (adaptive or fixed β) and the seeded prompt sampler."""
+def adamw(cfg: PpoSection) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
+    """AdamW over a module's trainable weights, eps and weight decay from the recipe (the engine
+    calls it once the weights are wrapped or sharded)."""
+
+    def make(actor: torch.nn.Module) -> torch.optim.Optimizer:
+        params = [p for p in actor.parameters() if p.requires_grad]
+        return torch.optim.AdamW(
+            params, lr=cfg.learning_rate, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        )
+
+    return make
+
+
+def controllers(recipe: Recipe, optimizer: Any) -> tuple[Any, Any, torch.Generator]:
+    """A constant schedule on `optimizer`, the KL controller (adaptive or fixed β) and the
+    seeded prompt sampler."""
     from transformers import get_constant_schedule
 
     cfg = recipe.ppo
-    params = [p for p in actor.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
-    )
     kl_ctl = (
         core.AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.horizon)
         if cfg.adaptive_kl
         else core.FixedKLController(cfg.init_kl_coef)
     )
     sampler = torch.Generator().manual_seed(recipe.run.seed)
-    return optimizer, get_constant_schedule(optimizer), kl_ctl, sampler
+    return get_constant_schedule(optimizer), kl_ctl, sampler
 
 
 def startup_warnings(recipe: Recipe, run: RunDir, prompts: list[str]) -> list[str]:
@@ -233,22 +247,25 @@ def startup_warnings(recipe: Recipe, run: RunDir, prompts: list[str]) -> list[st
     return warnings
 
 
-def _live_audit(recipe: Recipe, chat: bool) -> Callable[[PPOContext], dict[str, Any]]:
-    """`audit.every`: the same audit as `rlhf audit`, on the live policy."""
+def _live_audit(
+    recipe: Recipe, tokenizer: Any, reference: Reference, scorer: RewardScorer
+) -> Callable[[PolicyAndValue], dict[str, Any]]:
+    """`audit.every`: the same audit as `rlhf audit`, on the live policy (given whole)."""
     from rlhf_cli.audit.measure import audit_policy
 
+    chat = recipe.model.prompt_format == "chat"
     prompts = audit_prompts(recipe.audit)
 
-    def audit(ctx: PPOContext) -> dict[str, Any]:
+    def audit(actor: PolicyAndValue) -> dict[str, Any]:
         return audit_policy(
-            ctx.unwrapped.policy,
-            ctx.tokenizer,
+            actor.policy,
+            tokenizer,
             prompts,
             recipe.audit,
             chat=chat,
             max_tokens=recipe.data.prompts.max_tokens,
-            reference=ctx.reference,
-            scorer=ctx.scorer,
+            reference=reference,
+            scorer=scorer,
         )
 
     return audit
@@ -270,32 +287,32 @@ def resume_point(stage_dir: Path) -> tuple[Path, list[str]]:
 def _resume(
     record: StageRecord,
     checkpoint: tuple[Path, list[str]],
-    actor: PolicyAndValue,
-    optimizer: Any,
-    scheduler: Any,
-    kl_ctl: Any,
-    sampler: torch.Generator,
+    parts: tuple[Engine, Any, Any, Any, Any, torch.Generator],
     console: Console,
 ) -> dict[str, Any]:
-    """Restore `checkpoint` (from `resume_point`) in place; return its `state.json` (iteration,
+    """Restore `checkpoint` (from `resume_point`) in place into `parts` (engine, prepared actor,
+    optimizer, scheduler, KL controller, prompt sampler); return its `state.json` (iteration,
     health rules fired, score moments)."""
     folder, notes = checkpoint
     for note in notes:
         console.print(f"[yellow]resume[/]: {note}")
         record.warn(note)
     stage_dir = folder.parent.parent
-    state, value_state = load_checkpoint(
+    engine, actor, optimizer, scheduler, kl_ctl, sampler = parts
+    state = load_checkpoint(
         folder,
-        policy=actor.policy,
+        engine=engine,
+        actor=actor,
         optimizer=optimizer,
         scheduler=scheduler,
         kl_ctl=kl_ctl,
         sampler=sampler,
     )
-    actor.load_value_state_dict(value_state)
     console.print(f"resuming from {folder.name} (iteration {state['iteration']})")
-    _truncate_jsonl(stage_dir / "metrics.jsonl", state["iteration"])
-    _truncate_jsonl(stage_dir / "samples.jsonl", state["iteration"])
+    if engine.acc.is_main_process:
+        _truncate_jsonl(stage_dir / "metrics.jsonl", state["iteration"])
+        _truncate_jsonl(stage_dir / "samples.jsonl", state["iteration"])
+    engine.acc.wait_for_everyone()
     return state
 
 
