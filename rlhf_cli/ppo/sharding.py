@@ -278,10 +278,12 @@ class Fsdp2Engine(Engine):
                 unit.reshard()
                 unit.set_reshard_after_forward(True, recurse=False)
 
-    def _options(self) -> Any:
+    def _options(self, strict: bool = True) -> Any:
+        """Trained weights only (the frozen base is not written); loading them back is not
+        strict about the frozen ones (dcp.load has already checked every trained one)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(ignore_frozen_params=True)
+        return StateDictOptions(ignore_frozen_params=True, strict=strict)
 
     def save_state(self, actor: Any, optimizer: Any, folder: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -305,7 +307,7 @@ class Fsdp2Engine(Engine):
             optimizer.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
-            options=self._options(),
+            options=self._options(strict=False),
         )
 
 
@@ -317,9 +319,7 @@ def _is_decoder_layer(module: torch.nn.Module) -> bool:
 
 def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every trained weight of `module`, on the CPU."""
-    return {
-        n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.requires_grad
-    }
+    return {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
 def mismatch(folder: Path, why: str) -> StageError:

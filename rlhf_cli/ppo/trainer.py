@@ -195,6 +195,7 @@ def ppo_update(
             for key, value in parts.items():
                 stats[key].append(value.item() * share)
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
+    out["ppo/optimizer_steps"] = float(len(stats["grad_norm"]))
     out["ppo/skipped_minibatches"] = float(skipped)
     return out
 

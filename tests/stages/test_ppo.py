@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from rich.console import Console
 from torch.testing import assert_close
 
 from rlhf_cli.errors import StageError
-from rlhf_cli.recipe import Recipe, load_recipe
+from rlhf_cli.recipe import load_recipe
 from rlhf_cli.rundir import RunDir
 from rlhf_cli.tracking import MetricsWriter, read_metrics
 
@@ -57,27 +56,7 @@ REQUIRED_KEYS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def pipeline(small_recipe: Callable[..., Path], tmp_path_factory) -> Path:
-    """sft + train-rm once for the module; tests copy the folder and run PPO on their copy."""
-    from rlhf_cli.stages.reward import run_train_rm
-    from rlhf_cli.stages.sft import run_sft
-
-    folder = tmp_path_factory.mktemp("ppo_pipeline")
-    recipe = load_recipe(small_recipe(folder, {"sft": {"epochs": 6}}))
-    run_sft(recipe, QUIET)
-    run_train_rm(recipe, QUIET)
-    return folder
-
-
-def ppo_recipe(
-    pipeline: Path, tmp_path: Path, small_recipe: Callable[..., Path], ppo: dict[str, Any]
-) -> Recipe:
-    shutil.copytree(pipeline / "runs", tmp_path / "runs")
-    return load_recipe(small_recipe(tmp_path, {"sft": {"epochs": 6}, "ppo": ppo}))
-
-
-def test_ppo_learns_and_writes_the_contract(pipeline, tmp_path, small_recipe):
+def test_ppo_learns_and_writes_the_contract(ppo_recipe, pipeline, tmp_path, small_recipe):
     from rlhf_cli.stages.ppo import run_ppo
 
     recipe = ppo_recipe(
@@ -118,7 +97,7 @@ def test_ppo_learns_and_writes_the_contract(pipeline, tmp_path, small_recipe):
     assert samples and {"prompt", "response", "score", "kl"} <= set(samples[0])
 
 
-def test_frozen_models_get_no_gradients(pipeline, tmp_path, small_recipe, monkeypatch):
+def test_frozen_models_get_no_gradients(ppo_recipe, pipeline, tmp_path, small_recipe, monkeypatch):
     from rlhf_cli.stages import ppo as stage
     from rlhf_cli.stages.ppo import run_ppo
 
@@ -170,7 +149,7 @@ def _losses(run: RunDir) -> list[float]:
 
 @pytest.mark.parametrize("score_norm", [False, True])
 def test_interrupt_checkpoints_and_resume_reproduces(
-    pipeline, tmp_path, small_recipe, monkeypatch, score_norm
+    ppo_recipe, pipeline, tmp_path, small_recipe, monkeypatch, score_norm
 ):
     """With `ppo.score_norm` the running score moments are part of the state that resumes."""
     from rlhf_cli.stages.ppo import run_ppo
@@ -205,7 +184,7 @@ def test_interrupt_checkpoints_and_resume_reproduces(
     assert_close(torch.tensor(resumed), torch.tensor(scores), rtol=1e-4, atol=1e-5)
 
 
-def test_corrupt_newest_checkpoint_falls_back(pipeline, tmp_path, small_recipe):
+def test_corrupt_newest_checkpoint_falls_back(ppo_recipe, pipeline, tmp_path, small_recipe):
     from rlhf_cli.stages.ppo import run_ppo
 
     recipe = ppo_recipe(pipeline, tmp_path, small_recipe, PPO_SMALL)
@@ -248,7 +227,9 @@ def _rlhf(args: list[str], cwd: Path, **kw: Any) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_cli_ctrl_c_exits_130_with_a_checkpoint(pipeline, tmp_path, small_recipe, signum):
+def test_cli_ctrl_c_exits_130_with_a_checkpoint(
+    ppo_recipe, pipeline, tmp_path, small_recipe, signum
+):
     recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 200})
     run = RunDir.for_recipe(recipe)
     metrics = run.stage_dir("ppo") / "metrics.jsonl"
@@ -264,7 +245,7 @@ def test_cli_ctrl_c_exits_130_with_a_checkpoint(pipeline, tmp_path, small_recipe
     assert list((run.stage_dir("ppo") / "checkpoints").glob("iter_*/checkpoint.json"))
 
 
-def test_two_processes_log_one_line_per_iteration(pipeline, tmp_path, small_recipe):
+def test_two_processes_log_one_line_per_iteration(ppo_recipe, pipeline, tmp_path, small_recipe):
     recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 3})
     run = RunDir.for_recipe(recipe)
     cmd = [
@@ -293,7 +274,9 @@ def test_two_processes_log_one_line_per_iteration(pipeline, tmp_path, small_reci
     assert json.loads(run.manifest_path("ppo").read_text())["metrics"]["iterations"] == 3
 
 
-def test_separate_critic_from_the_policy_and_4bit_policy(pipeline, tmp_path, small_recipe):
+def test_separate_critic_from_the_policy_and_4bit_policy(
+    ppo_recipe, pipeline, tmp_path, small_recipe
+):
     from rlhf_cli.stages.ppo import run_ppo
 
     recipe = ppo_recipe(
@@ -320,7 +303,7 @@ def test_separate_critic_from_the_policy_and_4bit_policy(pipeline, tmp_path, sma
 
 
 def test_critic_from_a_reward_model_with_another_tokenizer_is_refused(
-    pipeline, tmp_path, small_recipe
+    ppo_recipe, pipeline, tmp_path, small_recipe
 ):
     from rlhf_cli.errors import ModelLoadError
     from rlhf_cli.stages.ppo import run_ppo
@@ -367,7 +350,7 @@ def test_critic_initialised_from_a_same_tokenizer_reward_model(tmp_path, small_r
 
 
 def test_full_disk_while_checkpointing_keeps_the_previous_one(
-    pipeline, tmp_path, small_recipe, monkeypatch
+    ppo_recipe, pipeline, tmp_path, small_recipe, monkeypatch
 ):
     import errno
 
@@ -394,7 +377,9 @@ def test_full_disk_while_checkpointing_keeps_the_previous_one(
     assert manifest["status"] == "failed" and "CheckpointWriteError" in manifest["error"]
 
 
-def test_non_finite_rewards_skip_updates_then_stop(pipeline, tmp_path, small_recipe, monkeypatch):
+def test_non_finite_rewards_skip_updates_then_stop(
+    ppo_recipe, pipeline, tmp_path, small_recipe, monkeypatch
+):
     from rlhf_cli.errors import NonFiniteError
     from rlhf_cli.scoring import RewardScorer
     from rlhf_cli.stages.ppo import run_ppo
@@ -455,7 +440,7 @@ def test_ppo_after_a_lora_sft_uses_the_merged_sft_model_as_reference(
     assert run_ppo(recipe, QUIET)["status"] == "completed"
 
 
-def test_reward_truncation_is_reported(pipeline, tmp_path, small_recipe):
+def test_reward_truncation_is_reported(ppo_recipe, pipeline, tmp_path, small_recipe):
     from rlhf_cli.stages.ppo import run_ppo
 
     recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 1})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 
@@ -12,11 +13,13 @@ import torch
 from rlhf_cli.errors import StageError
 from rlhf_cli.ppo import checkpoint as ckpt
 from rlhf_cli.ppo.core import AdaptiveKLController, FixedKLController
+from rlhf_cli.ppo.models import PolicyAndValue
+from rlhf_cli.ppo.sharding import Engine
 
 FILES = [
     "optimizer.pt",
     "policy.safetensors",
-    "rng.pt",
+    "rng_0.pt",
     "scheduler.pt",
     "state.json",
     "value.safetensors",
@@ -34,11 +37,21 @@ class Tiny(torch.nn.Module):
         self.body.requires_grad_(train_body)
 
 
+@functools.cache
+def one_process() -> Engine:
+    """The one-process engine (plain files; the sharded ones run in tests/stages)."""
+    from accelerate import Accelerator
+
+    return Engine(Accelerator(cpu=True))
+
+
 class Parts:
-    """Everything `save_checkpoint` / `load_checkpoint` take, built from one seed."""
+    """Everything `save_checkpoint` / `load_checkpoint` take, built from one seed: an actor whose
+    policy is `Tiny` and whose value head is a (1, 2) linear layer."""
 
     def __init__(self, seed: int, kl_ctl=None, lr: float = 0.1):
         self.policy = Tiny(seed)
+        self.actor = PolicyAndValue(self.policy, value_head=torch.nn.Linear(2, 1))
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
@@ -52,12 +65,12 @@ class Parts:
             self.optimizer.step()
             self.scheduler.step()
 
-    def save(self, root, iteration, value_state=None, extra=None):
+    def save(self, root, iteration, extra=None):
         return ckpt.save_checkpoint(
             root,
             iteration,
-            policy=self.policy,
-            value_state=value_state if value_state is not None else {"v": torch.zeros(2)},
+            engine=one_process(),
+            actor=self.actor,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             kl_ctl=self.kl_ctl,
@@ -68,7 +81,8 @@ class Parts:
     def load(self, folder):
         return ckpt.load_checkpoint(
             folder,
-            policy=self.policy,
+            engine=one_process(),
+            actor=self.actor,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             kl_ctl=self.kl_ctl,
@@ -97,6 +111,8 @@ def test_save_writes_every_file_and_an_index_that_verifies(tmp_path):
     assert json.loads((folder / "state.json").read_text()) == {
         "iteration": 7,
         "kl_controller": {"value": 0.1, "target": 6.0, "horizon": 10000},
+        "engine": "ddp",
+        "processes": 1,
         "seen": 12,
     }
     assert ckpt.verify(folder) is None
@@ -117,7 +133,7 @@ def test_only_trainable_weights_are_saved(tmp_path):
     "damage, problem",
     [
         ("truncate", "policy.safetensors does not match its checksum"),
-        ("delete_file", "rng.pt is missing"),
+        ("delete_file", "rng_0.pt is missing"),
         ("delete_index", "no checkpoint.json (incomplete write)"),
         ("garble_index", "checkpoint.json is unreadable"),
         ("index_without_sha256", "checkpoint.json is unreadable"),
@@ -132,7 +148,7 @@ def test_verify_names_what_is_wrong(tmp_path, damage, problem):
     if damage == "truncate":
         weights.write_bytes(weights.read_bytes()[:100])
     elif damage == "delete_file":
-        (folder / "rng.pt").unlink()
+        (folder / "rng_0.pt").unlink()
     elif damage == "delete_index":
         index.unlink()
     elif damage == "garble_index":
@@ -216,7 +232,7 @@ def test_failed_write_leaves_no_folder_and_keeps_the_previous_checkpoint(tmp_pat
     real_save, written = torch.save, []
 
     def save_until_full(obj, path, *args, **kwargs):
-        if path.name == "rng.pt":  # policy, value, optimizer and scheduler are already written
+        if path.name == "rng_0.pt":  # policy, value and optimizer are already written
             raise OSError(28, "No space left on device")
         written.append(path.name)
         real_save(obj, path, *args, **kwargs)
@@ -225,7 +241,7 @@ def test_failed_write_leaves_no_folder_and_keeps_the_previous_checkpoint(tmp_pat
     parts.train_steps(1)
     with pytest.raises(OSError, match="No space left"):
         parts.save(tmp_path, 2)
-    assert written == ["optimizer.pt", "scheduler.pt"]  # it did fail midway
+    assert written == ["optimizer.pt"]  # it did fail midway
     assert [p.name for p in tmp_path.iterdir()] == ["iter_00001"]
     assert ckpt.verify(previous) is None
     assert ckpt.file_sha256(previous / "policy.safetensors") == digest
@@ -264,21 +280,23 @@ def test_load_restores_weights_optimizer_scheduler_and_kl(tmp_path):
     saved = Parts(0)
     saved.train_steps(2)
     saved.kl_ctl.update(current_kl=12.0, n_steps=1000)  # 0.1 * (1 + 0.2 * 1000 / 10000)
-    value = {"v_head.weight": torch.tensor([[1.5, -2.0]]), "v_head.bias": torch.tensor([0.25])}
-    folder = saved.save(tmp_path, 2, value_state=value, extra={"seen": 16})
+    value = {"weight": torch.tensor([[1.5, -2.0]]), "bias": torch.tensor([0.25])}
+    saved.actor.value_head.load_state_dict(value)
+    folder = saved.save(tmp_path, 2, extra={"seen": 16})
 
     fresh = Parts(1, kl_ctl=AdaptiveKLController(0.5, 1.0, 1), lr=0.1)
     frozen_before = {n: p.detach().clone() for n, p in fresh.policy.body.named_parameters()}
     assert not torch.equal(frozen_before["weight"], saved.policy.body.weight)
-    state, value_back = fresh.load(folder)
+    state = fresh.load(folder)
 
     assert state == {
         "iteration": 2,
         "seen": 16,
+        "engine": "ddp",
+        "processes": 1,
         "kl_controller": {"value": pytest.approx(0.102), "target": 6.0, "horizon": 10000},
     }
-    assert value_back.keys() == value.keys()
-    assert all(torch.equal(value_back[k], value[k]) for k in value)
+    assert all(torch.equal(fresh.actor.value_state_dict()[k], value[k]) for k in value)
     for name in ("weight", "bias"):
         assert torch.equal(getattr(fresh.policy.head, name), getattr(saved.policy.head, name))
         assert torch.equal(getattr(fresh.policy.body, name), frozen_before[name])  # untouched
@@ -299,7 +317,7 @@ def test_load_restores_a_fixed_kl_controller_after_a_raise(tmp_path):
     saved.kl_ctl.raise_by(0.05)
     folder = saved.save(tmp_path, 1)
     fresh = Parts(0, kl_ctl=FixedKLController(0.9))
-    state, _ = fresh.load(folder)
+    state = fresh.load(folder)
     assert state["kl_controller"] == {"value": pytest.approx(0.25)}
     assert fresh.kl_ctl.value == pytest.approx(0.25)
 

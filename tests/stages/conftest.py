@@ -1,0 +1,42 @@
+"""Fixtures of the PPO stage tests: one SFT + reward-model run for the session, and recipes
+that run PPO on a copy of it."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from rlhf_cli.recipe import Recipe, load_recipe
+
+
+@pytest.fixture(scope="session")
+def pipeline(small_recipe: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """sft + train-rm once for the session; tests copy the folder and run PPO on their copy."""
+    from rlhf_cli.stages.reward import run_train_rm
+    from rlhf_cli.stages.sft import run_sft
+
+    folder = tmp_path_factory.mktemp("ppo_pipeline")
+    recipe = load_recipe(small_recipe(folder, {"sft": {"epochs": 6}}))
+    quiet = Console(stderr=True, quiet=True)
+    run_sft(recipe, quiet)
+    run_train_rm(recipe, quiet)
+    return folder
+
+
+def _ppo_recipe(
+    pipeline: Path, tmp_path: Path, small_recipe: Callable[..., Path], ppo: dict[str, Any]
+) -> Recipe:
+    shutil.copytree(pipeline / "runs", tmp_path / "runs")
+    return load_recipe(small_recipe(tmp_path, {"sft": {"epochs": 6}, "ppo": ppo}))
+
+
+@pytest.fixture(scope="session")
+def ppo_recipe() -> Callable[..., Recipe]:
+    """`ppo_recipe(pipeline, folder, small_recipe, {ppo section})`: the pipeline's runs copied
+    into `folder` and a recipe whose `ppo` section is updated."""
+    return _ppo_recipe
