@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from rlhf_cli.recipe import Recipe, parse_recipe
-from rlhf_cli.stages.ppo import PpoSources, build_actor, optimization
+from rlhf_cli.stages.ppo import PpoSources, adamw, build_actor
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -77,7 +77,7 @@ def test_ten_adamw_steps_at_the_guide_lr_move_every_trained_weight(
     actor = actor_for(recipe, bf16_lm)
     params = trained(actor)
     assert {p.dtype for p in params.values()} == {torch.float32}
-    optimizer = optimization(recipe, actor)[0]
+    optimizer = adamw(recipe.ppo)(actor)
     before = {n: p.detach().clone() for n, p in params.items()}
     for _ in range(10):
         sum(p.float().sum() for p in params.values()).backward()
@@ -111,7 +111,7 @@ def test_a_lora_critic_trains_only_its_adapter_and_fp32_head(
 def test_the_recipes_weight_decay_reaches_adamw(bf16_lm: Path, tmp_path: Path) -> None:
     for decay in (0.0, 0.05):
         recipe = recipe_for(bf16_lm, tmp_path, weight_decay=decay)
-        optimizer = optimization(recipe, actor_for(recipe, bf16_lm))[0]
+        optimizer = adamw(recipe.ppo)(actor_for(recipe, bf16_lm))
         assert [g["weight_decay"] for g in optimizer.param_groups] == [decay]
 
 

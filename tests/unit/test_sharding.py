@@ -1,0 +1,135 @@
+"""The engine choice at start-up: a launch this setup cannot run stops with one line saying what
+to change (exit 2) before any model loads; a checkpoint resumes only under the layout that wrote
+it. (The engines themselves run on two processes in tests/stages/test_sharded_ppo.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from rlhf_cli.errors import StageError
+from rlhf_cli.ppo import sharding
+from rlhf_cli.recipe import Recipe, parse_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH_ENV = [
+    "ACCELERATE_USE_DEEPSPEED",
+    "ACCELERATE_USE_FSDP",
+    "FSDP_VERSION",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+]
+FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+ZERO3 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
+
+
+def _recipe(tmp_path: Path, four_bit: bool = False, accumulation: int = 1) -> Recipe:
+    data = yaml.safe_load((REPO / "recipes" / "tiny.yaml").read_text())
+    data["run"]["output_dir"] = str(tmp_path / "runs")
+    data["model"].setdefault("quantization", {})["load_in_4bit"] = four_bit
+    data["ppo"]["gradient_accumulation_steps"] = accumulation
+    return parse_recipe(yaml.safe_dump(data), "r.yaml", base_dir=REPO / "recipes")
+
+
+@pytest.fixture
+def launched_with(monkeypatch: pytest.MonkeyPatch):
+    """Set the environment `accelerate launch --config_file ...` would set."""
+    for key in LAUNCH_ENV:
+        monkeypatch.delenv(key, raising=False)
+
+    def set_env(**env: str) -> None:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+
+    return set_env
+
+
+def test_the_launcher_picks_the_engine(launched_with):
+    assert sharding.requested_backend() == "ddp"
+    launched_with(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
+    assert sharding.requested_backend() == "fsdp"
+    launched_with(ACCELERATE_USE_DEEPSPEED="true")
+    assert sharding.requested_backend() == "deepspeed"
+
+
+@pytest.mark.parametrize(
+    "env, four_bit, message",
+    [
+        ({**FSDP, "FSDP_VERSION": "1"}, False, "set `fsdp_config: {fsdp_version: 2}`"),
+        (FSDP, True, "FSDP cannot shard 4-bit"),
+        (ZERO3, True, "ZeRO-3 cannot partition 4-bit"),
+    ],
+    ids=["fsdp1", "fsdp-4bit", "zero3-4bit"],
+)
+def test_launches_that_cannot_run_are_refused(tmp_path, launched_with, env, four_bit, message):
+    launched_with(**env)
+    backend = sharding.requested_backend()
+    with pytest.raises(StageError, match=message) as caught:
+        sharding.check_backend(backend, _recipe(tmp_path, four_bit=four_bit))
+    assert "\n" not in str(caught.value)
+
+
+def test_four_bit_under_zero2_and_ddp_is_allowed(tmp_path, launched_with):
+    launched_with(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="2")
+    sharding.check_backend("deepspeed", _recipe(tmp_path, four_bit=True))
+    sharding.check_backend("ddp", _recipe(tmp_path, four_bit=True))
+
+
+def test_deepspeed_not_installed_names_the_install_command(tmp_path, launched_with, monkeypatch):
+    launched_with(ACCELERATE_USE_DEEPSPEED="true")
+    real = sharding.importlib.util.find_spec
+    monkeypatch.setattr(
+        sharding.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "deepspeed" else real(name, *a),
+    )
+    with pytest.raises(StageError, match="DeepSpeed, which is not installed: `pip install"):
+        sharding.check_backend("deepspeed", _recipe(tmp_path))
+
+
+def test_accumulation_set_in_two_places_is_refused(tmp_path, launched_with):
+    launched_with(ACCELERATE_GRADIENT_ACCUMULATION_STEPS="4")
+    with pytest.raises(StageError, match="gradient_accumulation_steps: 4 but the recipe's .* is 2"):
+        sharding.build_accelerator(_recipe(tmp_path, accumulation=2), True, "no")
+
+
+def test_the_cli_gives_one_line_and_exit_2(make_recipe, launched_with):
+    from rlhf_cli.cli import app
+
+    launched_with(**FSDP)
+    recipe = make_recipe({"model": {"quantization": {"load_in_4bit": True}}})
+    result = CliRunner().invoke(app, ["ppo", "--recipe", str(recipe)])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "FSDP cannot shard 4-bit" in errors[0]
+    assert "Traceback" not in result.output
+
+
+def test_a_checkpoint_resumes_only_under_the_layout_that_wrote_it(tmp_path):
+    import json
+
+    import torch
+    from accelerate import Accelerator
+
+    from rlhf_cli.ppo.checkpoint import load_checkpoint
+    from rlhf_cli.ppo.core import FixedKLController
+
+    folder = tmp_path / "iter_00002"
+    folder.mkdir()
+    state = {"iteration": 2, "kl_controller": {"value": 0.1}, "engine": "fsdp", "processes": 2}
+    (folder / "state.json").write_text(json.dumps(state))
+    kl_ctl = FixedKLController(0.3)
+    with pytest.raises(StageError, match="written by fsdp on 2 process.*this launch is ddp on 1"):
+        load_checkpoint(
+            folder,
+            engine=sharding.Engine(Accelerator(cpu=True)),
+            actor=None,
+            optimizer=None,
+            scheduler=None,
+            kl_ctl=kl_ctl,
+            sampler=torch.Generator(),
+        )
+    assert kl_ctl.value == 0.3  # nothing restored
