@@ -6,6 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RLHF := $(VENV)/bin/rlhf
 TORCH_CPU ?= torch==2.13.0
+# DeepSpeed for the ZeRO engines (and their two-process CPU tests); its CUDA ops are not built
+DEEPSPEED ?= deepspeed==0.19.8
 STAMP := $(VENV)/.installed
 RECIPE ?= recipes/tiny.yaml
 export HF_HUB_OFFLINE ?= 1
@@ -15,7 +17,7 @@ export HF_DATASETS_OFFLINE ?= 1
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@if $(PY) -c "import torch" 2>/dev/null; then \
@@ -26,6 +28,8 @@ $(STAMP): pyproject.toml
 	  $(PY) -m pip install -q "$(TORCH_CPU)"; \
 	fi
 	$(PY) -m pip install -q -e '.[dev,report]'
+	$(PY) -c "import deepspeed" 2>/dev/null || \
+	  DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED)"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -175,7 +175,16 @@ def main() -> None:
     parser.add_argument("shapes", nargs="+", choices=sorted(SHAPES))
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--out", default="gpu_check.json")
+    parser.add_argument(
+        "--recipe-to",
+        type=Path,
+        help="only build the (first) shape's model and recipe in this folder and print the "
+        "recipe's path (for a multi-process launch of `rlhf ppo`)",
+    )
     args = parser.parse_args()
+    if args.recipe_to:
+        print(recipe(args.shapes[0], args.recipe_to, args.iterations))
+        return
     results = []
     for shape in args.shapes:
         results.append(check(shape, args.iterations if shape != "mistral7b" else 1))

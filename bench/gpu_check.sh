@@ -2,7 +2,9 @@
 # The prepared check for a lent GPU machine (under 8 minutes): PPO on Qwen2.5-0.5B's shape for a
 # few iterations (time split, peak GPU memory), then, if time allows, one iteration of the
 # guide's Mistral-7B recipe shape in 4-bit NF4 (peak GPU memory against the guide's ~20 GB).
-# Usage (device tool): bash bench/gpu_check.sh  → $OUT/gpu_check_{qwen,mistral}.json
+# On a machine with two GPUs or more it also runs the Qwen shape under DeepSpeed ZeRO-3 on two
+# GPUs (recipes/accelerate/deepspeed_zero3.yaml), the sharded path the CPU tests prove.
+# Usage (device tool): bash bench/gpu_check.sh  → $OUT/gpu_check_{qwen,mistral,zero3}.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
@@ -16,3 +18,11 @@ timeout 240 .venv-gpu/bin/python bench/gpu_check.py qwen0.5b --iterations 3 \
   --out "$out/gpu_check_qwen.json"
 timeout 300 .venv-gpu/bin/python bench/gpu_check.py mistral7b --out "$out/gpu_check_mistral.json" \
   || echo "mistral7b did not finish in time; the qwen0.5b figures are in $out"
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  .venv-gpu/bin/pip install -q deepspeed
+  work="$(mktemp -d)"
+  zero3_recipe="$(.venv-gpu/bin/python bench/gpu_check.py qwen0.5b --iterations 3 --recipe-to "$work")"
+  timeout 300 .venv-gpu/bin/accelerate launch --config_file recipes/accelerate/deepspeed_zero3.yaml \
+    --num_processes 2 -m rlhf_cli.cli ppo --recipe "$zero3_recipe" --json > "$out/gpu_check_zero3.json" \
+    || echo "the two-GPU ZeRO-3 run failed or did not finish; see the output above"
+fi

@@ -7,6 +7,7 @@ errors to exit codes: user mistakes 2 (one line each, no traceback), hacking det
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -85,6 +86,13 @@ def resolve_recipe(recipe: Path | None, runs_dir: Path) -> Recipe:
     return load_recipe(default_recipe_path())
 
 
+def _library_output(as_json: bool, quiet: bool = False) -> contextlib.AbstractContextManager:
+    """While a command works, what libraries print on stdout (DeepSpeed's accelerator notice,
+    warnings printed rather than logged) goes to stderr when stdout must be pure JSON or
+    silent."""
+    return contextlib.redirect_stdout(sys.stderr) if as_json or quiet else contextlib.nullcontext()
+
+
 def _emit(manifest: dict[str, Any], as_json: bool, quiet: bool, title: str) -> None:
     if as_json:
         typer.echo(json.dumps(manifest, indent=2))
@@ -110,7 +118,8 @@ def _stage(
 ) -> None:
     quiet_libraries()
     resolved = resolve_recipe(recipe, runs_dir)
-    manifest = run_fn(resolved, make_console(quiet, as_json))
+    with _library_output(as_json, quiet):
+        manifest = run_fn(resolved, make_console(quiet, as_json))
     manifest = {**manifest, "dir": str(RunDir.for_recipe(resolved).stage_dir(stage))}
     _emit(manifest, as_json, quiet, f"rlhf {stage} · run '{resolved.run.name}'")
 
@@ -205,7 +214,8 @@ def audit(
 
     quiet_libraries()
     resolved = resolve_recipe(recipe or recipe_near(checkpoint), runs_dir)
-    report = run_audit(resolved, make_console(quiet, as_json), checkpoint, responses, samples)
+    with _library_output(as_json, quiet):
+        report = run_audit(resolved, make_console(quiet, as_json), checkpoint, responses, samples)
     if as_json:
         typer.echo(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
     if report["hacking_detected"]:
@@ -257,7 +267,8 @@ def push(
     from rlhf_cli.stages.push import run_push
 
     resolved = resolve_recipe(recipe, runs_dir)
-    result = run_push(resolved, make_console(quiet, as_json), adapter_only, dry_run)
+    with _library_output(as_json, quiet):
+        result = run_push(resolved, make_console(quiet, as_json), adapter_only, dry_run)
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     elif not quiet:
@@ -298,7 +309,8 @@ def compare(
     from rlhf_cli.stages.compare import run_compare
 
     quiet_libraries()
-    rows = run_compare(resolve_recipe(recipe, runs_dir), prompt)
+    with _library_output(as_json):
+        rows = run_compare(resolve_recipe(recipe, runs_dir), prompt)
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return

@@ -248,6 +248,17 @@ class Fsdp2Engine(Engine):
     name = "fsdp"
     shards_weights = True
 
+    @contextmanager
+    def loading(self) -> Iterator[None]:
+        # `fsdp_cpu_ram_efficient_loading` would load real weights on rank 0 only and expect a
+        # broadcast; `fully_shard` shards each process's own copy, so every process loads them
+        saved = os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
+        try:
+            yield
+        finally:
+            if saved is not None:
+                os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = saved
+
     def prepare(self, actor: torch.nn.Module, make_optimizer: MakeOptimizer) -> tuple[Any, Any]:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

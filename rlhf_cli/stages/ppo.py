@@ -103,11 +103,7 @@ def setup(
     """Everything the loop needs, and the iteration to start after (0, or the checkpoint's)."""
     cfg, device, stage_dir = recipe.ppo, accelerator.device, run.stage_dir("ppo")
     # 1. Tokenizer, prompts, and the guide's "common mistakes" caught before training.
-    tokenizer = load_tokenizer(sources.tokenizer, recipe.model.trust_remote_code, "left")
-    prompts = load_prompts(recipe.data.prompts, cache_dir=run.path / ".cache")
-    for warning in startup_warnings(recipe, run, prompts):
-        record.warn(warning)
-        console.print(f"[yellow]warning[/]: {escape(warning)}", highlight=False)
+    tokenizer, prompts, queries = prompt_inputs(recipe, run, sources, record, console)
 
     # 2. Models: frozen reward model, actor (policy + value), reference.
     engine = engine_for(accelerator)
@@ -115,8 +111,6 @@ def setup(
         scorer = frozen_scorer(recipe.reward, sources.reward, sources.reward_tokenizer, device)
         actor, reference = build_actor(recipe, sources, device, scorer, tokenizer)
     check_fit(recipe, actor.policy, scorer.model, scorer.tokenizer)
-    chat = recipe.model.prompt_format == "chat"
-    queries = tokenize_prompts(tokenizer, prompts, chat, recipe.data.prompts.max_tokens)
 
     # 3. The engine wraps (or shards) the actor and builds its optimizer; schedule, KL
     # controller, prompt sampler; then resume if asked.
@@ -125,12 +119,10 @@ def setup(
     # Models are built alike everywhere (FSDP2 shards each process's own copy: no broadcast);
     # from here each process samples its own responses.
     seed_everything(recipe.run.seed + accelerator.process_index)
-    state: dict[str, Any] = {"iteration": 0}
+    parts = (engine, prepared_actor, optimizer, scheduler, kl_ctl, sampler)
+    state = _resume(record, checkpoint, parts, console) if checkpoint else {"iteration": 0}
     if checkpoint is None and accelerator.is_main_process:  # never resume an earlier run later
         shutil.rmtree(stage_dir / "checkpoints", ignore_errors=True)
-    if checkpoint is not None:
-        parts = (engine, prepared_actor, optimizer, scheduler, kl_ctl, sampler)
-        state = _resume(record, checkpoint, parts, console)
     start = int(state["iteration"])
 
     # 4. Logs (appended to on resume) and the context the loop reads.
@@ -169,6 +161,24 @@ def setup(
             r for r in read_metrics(stage_dir / "metrics.jsonl") if r.get("iteration", 0) <= start
         ]
     return ctx, start
+
+
+def prompt_inputs(
+    recipe: Recipe, run: RunDir, sources: PpoSources, record: StageRecord, console: Console
+) -> tuple[Any, list[str], list[list[int]]]:
+    """The policy tokenizer, the PPO prompts and their token ids; the guide's "common mistakes"
+    about them are warned about (console and manifest)."""
+    tokenizer = load_tokenizer(sources.tokenizer, recipe.model.trust_remote_code, "left")
+    prompts = load_prompts(recipe.data.prompts, cache_dir=run.path / ".cache")
+    for warning in startup_warnings(recipe, run, prompts):
+        record.warn(warning)
+        console.print(f"[yellow]warning[/]: {escape(warning)}", highlight=False)
+    chat = recipe.model.prompt_format == "chat"
+    return (
+        tokenizer,
+        prompts,
+        tokenize_prompts(tokenizer, prompts, chat, recipe.data.prompts.max_tokens),
+    )
 
 
 def save(

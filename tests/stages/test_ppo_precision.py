@@ -141,7 +141,11 @@ def test_run_ppo_autocasts_half_precision_on_cuda_only(
     recipe = recipe.model_copy(update={"model": recipe.model.variant(dtype=dtype)})
     with pytest.raises(Stop):
         ppo.run_ppo(recipe, console=None)
-    assert seen == {"cpu": device == "cpu", "mixed_precision": expected}
+    assert {k: seen[k] for k in ("cpu", "mixed_precision")} == {
+        "cpu": device == "cpu",
+        "mixed_precision": expected,
+    }
+    assert seen["gradient_accumulation_steps"] == recipe.ppo.gradient_accumulation_steps
 
 
 # ── gradient checkpointing ─────────────────────────────────────────────────────────────────
