@@ -73,8 +73,11 @@ class Generator(Protocol):
 
     stop_ids: list[int]
 
-    def generate(self, queries: list[list[int]], gen: GenerationSection) -> Generations:
-        """Answers to `queries` (token ids of each prompt) sampled with `gen`."""
+    def generate(
+        self, queries: list[list[int]], gen: GenerationSection, seeds: list[int] | None = None
+    ) -> Generations:
+        """Answers to `queries` (token ids of each prompt) sampled with `gen`; with `seeds`, each
+        row's draws come from its own seed, whatever else is in the batch."""
         ...
 
 
@@ -271,13 +274,16 @@ def response_logits(
 # ── backends ────────────────────────────────────────────────────────────────────────────────────
 
 
-def generation_config(gen: GenerationSection, stop_ids: list[int], pad_id: int) -> Any:
+def generation_config(
+    gen: GenerationSection, stop_ids: list[int], pad_id: int, greedy: bool = False
+) -> Any:
     """A complete `GenerationConfig` from the recipe. Sampling itself (temperature, top-k,
     top-p) is left neutral here and done by `sampling_warpers`, so the processors that run are
-    exactly the ones `response_logprobs` reproduces."""
+    exactly the ones `response_logprobs` reproduces. `greedy`: argmax decoding even when the
+    recipe samples (the draw is then made by `SeededGumbel`)."""
     return GenerationConfig(
         max_new_tokens=gen.max_new_tokens,
-        do_sample=gen.do_sample,
+        do_sample=gen.do_sample and not greedy,
         num_beams=1,
         temperature=1.0,
         top_k=0,
@@ -331,6 +337,50 @@ class SampledLogprobs(LogitsProcessor):
         return torch.stack(self.steps, dim=1)
 
 
+# splitmix64's constants as signed 64-bit integers (torch has no uint64 arithmetic)
+_GOLDEN, _MIX1, _MIX2 = (
+    c - 2**64 for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+)
+
+
+def _shift_right(x: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 (torch's `>>` keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(x: Tensor) -> Tensor:
+    """Steele et al.'s splitmix64 finaliser: a well-mixed 64-bit hash (int64 wraps around)."""
+    x = x + _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def hashed_uniform(seeds: Tensor, step: int, vocab: int) -> Tensor:
+    """(b, vocab) uniforms in (0, 1), a pure function of (row seed, step, token id): the same
+    numbers on any device, in any batch, on any process."""
+    row = _splitmix64(seeds.long() * 1_000_003 + step)
+    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.long)
+    bits = _shift_right(_splitmix64(row[:, None] * 65_537 + tokens), 11)  # 53 random bits
+    return (bits.double() + 0.5) / 2.0**53
+
+
+class SeededGumbel(LogitsProcessor):
+    """Last in the list when each row has its own seed: adds Gumbel noise
+    -log(-log U), U = `hashed_uniform(seed, step, token)`, to the warped scores, so that taking
+    the argmax (greedy decoding) draws from their softmax (the Gumbel-max trick). A row's tokens
+    then depend on its seed alone, not on the rows it is batched with, the padding or the
+    process it runs in: one and N processes sample the same responses."""
+
+    def __init__(self, seeds: Tensor) -> None:
+        self.seeds, self.step = seeds, 0
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        uniform = hashed_uniform(self.seeds, self.step, scores.shape[1])
+        self.step += 1
+        return scores.float() - torch.log(-torch.log(uniform)).float()
+
+
 @dataclass
 class HFGenerator:
     """transformers `generate`: left-padded batches with the KV cache."""
@@ -340,18 +390,25 @@ class HFGenerator:
     stop_ids: list[int]
 
     @torch.inference_mode()
-    def generate(self, queries: list[list[int]], gen: GenerationSection) -> Generations:
-        """Answers to `queries`; responses trimmed to the longest, pads after each stop."""
+    def generate(
+        self, queries: list[list[int]], gen: GenerationSection, seeds: list[int] | None = None
+    ) -> Generations:
+        """Answers to `queries`; responses trimmed to the longest, pads after each stop. With
+        `seeds` (one per query) each row samples from its own seed (`SeededGumbel`)."""
         pad_id = self.tokenizer.pad_token_id
         device = next(self.model.parameters()).device
         query_ids, query_mask = left_pad(queries, pad_id, device)
         recorder = SampledLogprobs()
+        processors = LogitsProcessorList([*sampling_warpers(gen), recorder])
+        seeded = gen.do_sample and seeds is not None
+        if seeded:
+            processors.append(SeededGumbel(torch.tensor(seeds, device=device)))
         with checkpoint_settings_off(self.model):
             output = self.model.generate(
                 input_ids=query_ids,
                 attention_mask=query_mask,
-                generation_config=generation_config(gen, self.stop_ids, pad_id),
-                logits_processor=LogitsProcessorList([*sampling_warpers(gen), recorder]),
+                generation_config=generation_config(gen, self.stop_ids, pad_id, greedy=seeded),
+                logits_processor=processors,
             )
         response_ids = output[:, query_ids.shape[1] :]
         sampler_logprobs = recorder.result(response_ids[:, -1])

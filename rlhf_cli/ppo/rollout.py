@@ -83,15 +83,17 @@ def collect_rollout(
     cfg: PpoSection,
     moments: RunningMoments | None = None,
     gather: Callable[[Tensor], Tensor] = lambda x: x,
+    seeds: list[int] | None = None,
 ) -> Rollout:
-    """Generate, score and evaluate one batch of prompts (b = len(prompts))."""
+    """Generate (each row from its seed in `seeds`, when given), score and evaluate one batch
+    of prompts (b = len(prompts))."""
     device = next(actor.parameters()).device
     timings: dict[str, float] = {}
     actor.eval()
 
     # 1. Batched generation (the generation module's backend).
     start = time.perf_counter()
-    answers = generator.generate(queries, cfg.generation)
+    answers = generator.generate(queries, cfg.generation, seeds)
     timings["time/rollout_s"] = time.perf_counter() - start
 
     # 2. Score decoded text with the reward model's own tokenizer, in batches.

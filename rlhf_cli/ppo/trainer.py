@@ -60,6 +60,7 @@ class PPOContext:
     history: list[dict[str, Any]] = field(default_factory=list)
     on_warning: Callable[[str], None] = print
     max_nonfinite: int = 3
+    seed: int = 0  # the run's seed: rollout rows sample from seeds derived from it
     audit: Callable[[PolicyAndValue], dict[str, Any]] | None = None  # on the whole actor
     audit_every: int | None = None
     audit_kl_step: float = 0.0
@@ -80,6 +81,12 @@ def sample_batch(ctx: PPOContext) -> list[int]:
     while len(draws) < n:  # epochs over the prompt pool when it is smaller than a batch
         draws.extend(torch.randperm(len(ctx.prompts), generator=ctx.sampler).tolist())
     return draws[:n][acc.process_index :: acc.num_processes]
+
+
+def row_seed(seed: int, iteration: int, row: int) -> int:
+    """The sampling seed of row `row` of iteration `iteration`'s global batch (generation
+    hashes it further): the same whichever process generates the row."""
+    return ((seed * 1_000_003 + iteration) * 65_537 + row) % 2**63
 
 
 def global_sum(acc: Any) -> core.Reducer:
@@ -145,6 +152,25 @@ def minibatch_loss(
     return loss, parts
 
 
+def minibatch_rows(
+    batch_size: int, mini_batch_size: int, world: int, rank: int, generator: torch.Generator
+) -> list[torch.Tensor]:
+    """This process's rows (indices into its share of the batch) of each mini-batch of one
+    epoch, in order.
+
+    Global mini-batch k takes one row of each residue class modulo `mini_batch_size`, every
+    class's rows in a random order (`generator` draws alike on every process). The rows were
+    drawn in random order (`sample_batch`), so this is as good as a uniform reshuffle; and it
+    splits every mini-batch into the same rows, evenly, for any number of processes dividing
+    `mini_batch_size`: N processes take the optimiser steps of one."""
+    groups = batch_size // mini_batch_size
+    order = torch.stack(
+        [torch.randperm(groups, generator=generator) for _ in range(mini_batch_size)], dim=1
+    )
+    rows = order * mini_batch_size + torch.arange(mini_batch_size)  # (groups, mb), global
+    return [r[r % world == rank] // world for r in rows]
+
+
 def token_share(acc: Any, loss: torch.Tensor, mask: torch.Tensor) -> tuple[float, bool]:
     """(this process's share of the global mini-batch's response tokens times the number of
     processes, whether every process's loss is finite): one all-reduce.
@@ -170,15 +196,14 @@ def ppo_update(
     cfg, acc, actor = ctx.cfg, ctx.accelerator, ctx.actor
     actor.train()
     stats: dict[str, list[float]] = defaultdict(list)
-    b = rollout.response_ids.shape[0]
-    local_mb = max(1, cfg.mini_batch_size // acc.num_processes)
     params = [p for group in ctx.optimizer.param_groups for p in group["params"]]
     acc.step = 0  # accumulation windows start with each iteration's update
     skipped = 0
     for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(b)
-        for start in range(0, b, local_mb):
-            idx = order[start : start + local_mb]
+        shares = minibatch_rows(
+            cfg.batch_size, cfg.mini_batch_size, acc.num_processes, acc.process_index, ctx.sampler
+        )
+        for idx in shares:
             with acc.accumulate(actor):
                 loss, parts = minibatch_loss(cfg, actor, rollout, idx, advantages, returns)
                 share, finite = token_share(acc, loss, rollout.response_mask[idx])
@@ -336,8 +361,10 @@ def run_iteration(
     iteration's metrics, its rollout and the per-token KL (b, r) the rewards were shaped with."""
     cfg, acc = ctx.cfg, ctx.accelerator
     t0 = time.perf_counter()
-    # 1. Rollout: sample prompts, generate, score, old log-probs, values, reference.
+    # 1. Rollout: sample prompts, generate (each row from its own seed), score, old log-probs,
+    #    values, reference.
     index = sample_batch(ctx)
+    rows = range(acc.process_index, cfg.batch_size, acc.num_processes)  # global batch rows
     # the precision the update computes in (fp32 master weights); sharded weights gathered once
     with acc.autocast(), ctx.engine.gathered(ctx.actor) as actor:
         rollout = collect_rollout(
@@ -350,6 +377,7 @@ def run_iteration(
             cfg,
             ctx.score_moments,
             lambda x: acc.gather(x.to(acc.device)).cpu(),
+            seeds=[row_seed(ctx.seed, iteration, row) for row in rows],
         )
     # 2. Advantages from KL-shaped rewards (β as it stands at this iteration).
     kl_coef = ctx.kl_ctl.value

@@ -155,6 +155,7 @@ def setup(
         audit_every=recipe.audit.every,
         audit_kl_step=recipe.audit.kl_coef_step,
         max_nonfinite=cfg.max_nonfinite,
+        seed=recipe.run.seed,
     )
     if start:
         ctx.history = [

@@ -3,11 +3,14 @@
 DeepSpeed ZeRO-2 / ZeRO-3 log the numbers of a one-process run of the same global batch and save
 the same final adapter; a sharded run resumes to the numbers of an uninterrupted one.
 
-Tolerance: decoding is greedy here, so both layouts generate the same responses; the token share
-(`trainer.token_share`) makes each process's loss average to the one-process loss of the whole
-mini-batch, so what remains is float32 summation order (about 1e-7 relative per reduction).
-rtol 1e-4 / atol 1e-5 is the tolerance the one-process resume test uses, and far below the
-differences a wrong reduction gives (a per-process token mean moved grad_norm by 4% here).
+The recipe samples (the tiny recipe's top-p 0.9), updates on two mini-batches per optimizer step
+(accumulation) for two epochs. Tolerance: each rollout row samples from its own seed
+(`generation.SeededGumbel`), so both layouts generate the same responses; the update splits the
+same global mini-batches over the processes (`trainer.minibatch_rows`) and weights each
+process's loss by its share of the tokens (`trainer.token_share`), so what remains is float32
+summation order (about 1e-7 relative per reduction). rtol 1e-4 / atol 1e-5 is the tolerance the
+one-process resume test uses, and far below what a wrong reduction gives (a per-process token
+mean moved grad_norm by 4% here).
 """
 
 from __future__ import annotations
@@ -39,15 +42,15 @@ CONFIGS = {
     "zero3": "deepspeed_zero3_cpu_2proc.yaml",
 }
 ENGINE_NAME = {"ddp": "ddp", "fsdp": "fsdp", "zero2": "deepspeed", "zero3": "deepspeed"}
-GREEDY = {
+SAMPLED = {
     "iterations": 2,
     "batch_size": 8,
-    "mini_batch_size": 8,
-    "gradient_accumulation_steps": 1,
-    "ppo_epochs": 1,
+    "mini_batch_size": 4,
+    "gradient_accumulation_steps": 2,
+    "ppo_epochs": 2,
     "save_freq": 1,
     "log_every": 1,
-    "generation": {"max_new_tokens": 16, "do_sample": False},
+    "generation": {"max_new_tokens": 16, "do_sample": True, "top_p": 0.9},
 }
 COMPARED = [
     "env/reward_mean",
@@ -106,7 +109,7 @@ def one_process(ppo_recipe, pipeline, small_recipe, tmp_path_factory) -> RunDir:
     """The same recipe on one process: the numbers every layout must reproduce."""
     from rlhf_cli.stages.ppo import run_ppo
 
-    recipe = ppo_recipe(pipeline, tmp_path_factory.mktemp("one"), small_recipe, GREEDY)
+    recipe = ppo_recipe(pipeline, tmp_path_factory.mktemp("one"), small_recipe, SAMPLED)
     run_ppo(recipe, Console(stderr=True, quiet=True))
     return RunDir.for_recipe(recipe)
 
@@ -115,7 +118,7 @@ def one_process(ppo_recipe, pipeline, small_recipe, tmp_path_factory) -> RunDir:
 def test_two_processes_match_one_process(
     engine, one_process, ppo_recipe, pipeline, small_recipe, tmp_path
 ):
-    ppo_recipe(pipeline, tmp_path, small_recipe, GREEDY)
+    ppo_recipe(pipeline, tmp_path, small_recipe, SAMPLED)
     run = launch(engine, tmp_path)
     state = json.loads(
         (run.stage_dir("ppo") / "checkpoints" / "iter_00002" / "state.json").read_text()
@@ -135,14 +138,12 @@ def test_two_processes_match_one_process(
 def test_sharded_resume_reproduces_the_uninterrupted_run(
     engine, ppo_recipe, pipeline, small_recipe, tmp_path
 ):
-    """Sampling on (each process restores its own RNG), two mini-batches per optimizer step
-    (accumulation), two epochs; the run resumes from iteration 2's sharded checkpoint."""
-    ppo = {**GREEDY, "iterations": 3, "mini_batch_size": 4, "gradient_accumulation_steps": 2,
-           "ppo_epochs": 2, "generation": {"max_new_tokens": 16, "do_sample": True}}  # fmt: skip
+    """Each process restores its own RNG state and the engine's sharded optimizer state."""
+    ppo = {**SAMPLED, "iterations": 3}
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     ppo_recipe(pipeline, whole, small_recipe, ppo)
     uninterrupted = rows(launch(engine, whole))
-    assert [r["ppo/optimizer_steps"] for r in uninterrupted] == [2.0, 2.0, 2.0]
+    assert [r["ppo/optimizer_steps"] for r in uninterrupted] == [2.0, 2.0, 2.0]  # 2 x 8 / (4 x 2)
 
     shutil.copytree(whole, resumed)
     recipe = (resumed / "recipe.yaml").read_text().replace(str(whole), str(resumed))

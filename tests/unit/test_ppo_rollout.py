@@ -159,3 +159,41 @@ def test_entropy_enters_the_graph_only_when_it_is_in_the_loss(llama_config, entr
     assert loss.requires_grad and torch.isfinite(loss)
     # at the rollout's own weights the ratio is 1: the policy loss is -mean(advantages) = -1
     assert_close(parts["ppo/loss/policy"], torch.tensor(-1.0), atol=1e-5, rtol=0)
+
+
+# ── the update's mini-batches: the same global split for one process or N ─────────────────────
+
+
+@pytest.mark.parametrize("batch, mini", [(32, 8), (16, 4), (8, 8), (12, 4)])
+def test_minibatches_are_the_same_global_rows_for_any_number_of_processes(batch, mini):
+    from rlhf_cli.ppo.trainer import minibatch_rows
+
+    def global_rows(world: int) -> list[list[int]]:
+        shares = [
+            minibatch_rows(batch, mini, world, rank, torch.Generator().manual_seed(5))
+            for rank in range(world)
+        ]  # the generator draws alike on every process
+        return [
+            sorted(int(i) * world + rank for rank in range(world) for i in shares[rank][k])
+            for k in range(batch // mini)
+        ]
+
+    one = global_rows(1)
+    assert sorted(r for rows in one for r in rows) == list(range(batch))  # a partition
+    assert all(len(rows) == mini for rows in one)
+    for world in (2, 4):
+        if mini % world == 0:
+            assert global_rows(world) == one
+            shares = minibatch_rows(batch, mini, world, 1, torch.Generator().manual_seed(5))
+            assert all(len(s) == mini // world for s in shares)  # an even split
+    other = minibatch_rows(batch, mini, 1, 0, torch.Generator().manual_seed(6))
+    if batch // mini > 1:
+        assert [sorted(s.tolist()) for s in other] != one  # reshuffled by the generator
+
+
+def test_row_seeds_differ_by_row_and_iteration_and_fit_int64():
+    from rlhf_cli.ppo.trainer import row_seed
+
+    seeds = {row_seed(42, it, row) for it in range(1, 50) for row in range(64)}
+    assert len(seeds) == 49 * 64
+    assert 0 <= row_seed(2**40, 10**6, 10**4) < 2**63
