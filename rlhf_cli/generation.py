@@ -409,6 +409,10 @@ class HFGenerator:
                 attention_mask=query_mask,
                 generation_config=generation_config(gen, self.stop_ids, pad_id, greedy=seeded),
                 logits_processor=processors,
+                # the weights are whole here (sharded engines gather them first), so processes
+                # need not step together: transformers' default under ZeRO-3 / FSDP would hang a
+                # generation that only the main process runs (the in-training audit)
+                synced_gpus=False,
             )
         response_ids = output[:, query_ids.shape[1] :]
         sampler_logprobs = recorder.result(response_ids[:, -1])

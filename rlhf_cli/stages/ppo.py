@@ -116,8 +116,7 @@ def setup(
     # controller, prompt sampler; then resume if asked.
     prepared_actor, optimizer = engine.prepare(actor, adamw(cfg))
     scheduler, kl_ctl, sampler = controllers(recipe, optimizer)
-    # Models are built alike everywhere (FSDP2 shards each process's own copy: no broadcast);
-    # from here each process samples its own responses.
+    # models are built alike everywhere (FSDP2 shards each process's copy); now per process
     seed_everything(recipe.run.seed + accelerator.process_index)
     parts = (engine, prepared_actor, optimizer, scheduler, kl_ctl, sampler)
     state = _resume(record, checkpoint, parts, console) if checkpoint else {"iteration": 0}
