@@ -80,6 +80,10 @@ class Generator(Protocol):
         row's draws come from its own seed, whatever else is in the batch."""
         ...
 
+    def sync(self, policy: Any) -> None:
+        """Bring the engine up to the policy's current weights (before each rollout)."""
+        ...
+
 
 # ── prompts in, token tensors out ───────────────────────────────────────────────────────────────
 
@@ -388,6 +392,9 @@ class HFGenerator:
     model: Any
     tokenizer: Any
     stop_ids: list[int]
+
+    def sync(self, policy: Any) -> None:
+        """Nothing to do: `generate` runs the live policy."""
 
     @torch.inference_mode()
     def generate(

@@ -338,6 +338,11 @@ def load_reward_model(
     return model.to(device)
 
 
+def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every trained weight of `module`, on the CPU."""
+    return {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
     """Frozen models (reward, reference) never get gradients and run in eval mode."""
     for param in model.parameters():

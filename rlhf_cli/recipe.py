@@ -276,6 +276,18 @@ class GenerationSection(Section):
     top_p: float = _f(0.9, "Nucleus sampling mass.", gt=0.0, le=1.0)
     top_k: int = _f(0, "Top-k sampling (0: off).", ge=0)
     do_sample: bool = _f(True, "Sample (True) or decode greedily.")
+    backend: Literal["hf", "vllm"] = _f(
+        "hf",
+        "Rollout engine: transformers `generate`, or a colocated vLLM engine that gets the "
+        "policy's adapter after every update (`pip install 'rlhf-cli[vllm]'`; PPO only).",
+    )
+    tis_cap: float | None = _f(
+        None,
+        "Truncated importance sampling: weight each token's policy loss by "
+        "min(π_train / π_sampler, tis_cap), correcting for the rollout engine's numerics "
+        "(off by default).",
+        gt=0.0,
+    )
 
 
 class PpoSection(Section):

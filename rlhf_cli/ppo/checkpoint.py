@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import save_file
 
 from rlhf_cli.errors import StageError
-from rlhf_cli.ppo.sharding import Engine, trainable_state
+from rlhf_cli.modeling import trainable_state
+from rlhf_cli.ppo.sharding import Engine
 from rlhf_cli.rundir import atomic_write_json, file_sha256
 
 INDEX = "checkpoint.json"

@@ -215,8 +215,30 @@ def kl_penalized_rewards(
 # --------------------------------------------------------------------------- losses
 
 
+def tis_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
+    """Truncated importance-sampling weights ``min(exp(old_logprobs - sampler_logprobs), cap)``,
+    no gradient. [Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy
+    RL training"; verl / OpenRLHF ``tis_imp_ratio_cap``]
+
+    The rollout engine (vLLM) drew the tokens from its own numerics, π_sampler; PPO's ratio is
+    taken against the training forward's π_old. Weighting each token's surrogate by
+    π_old / π_sampler corrects the gradient for that mismatch; the cap bounds its variance.
+
+    Args:
+        old_logprobs: ``(b, response_len)`` log-probs under the training forward at rollout.
+        sampler_logprobs: ``(b, response_len)`` log-probs the sampler recorded.
+        cap: the largest weight.
+    """
+    return torch.exp(old_logprobs - sampler_logprobs).clamp(max=cap).detach()
+
+
 def ppo_policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cliprange: float
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cliprange: float,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Clipped surrogate policy loss. [PPO eq. 7, TRL ``loss``]
 
@@ -230,6 +252,8 @@ def ppo_policy_loss(
         advantages: ``(b, response_len)`` advantages.
         mask: ``(b, response_len)`` bool or 0/1, True = valid.
         cliprange: epsilon.
+        weights: ``(b, response_len)`` per-token weights of the surrogate (`tis_weights`), or
+            None.
 
     Returns:
         ``(loss, clipfrac)`` scalar tensors; ``clipfrac`` is the share of valid
@@ -238,7 +262,8 @@ def ppo_policy_loss(
     ratio = torch.exp(logprobs - old_logprobs)
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
+    per_token = torch.max(pg_losses, pg_losses2)
+    loss = masked_mean(per_token if weights is None else per_token * weights, mask)
     clipfrac = masked_mean((pg_losses2 > pg_losses).to(logprobs.dtype), mask)
     return loss, clipfrac
 

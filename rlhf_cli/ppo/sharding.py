@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_cli.errors import StageError
+from rlhf_cli.modeling import trainable_state
 from rlhf_cli.recipe import Recipe
 
 MakeOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -326,11 +327,6 @@ def _is_decoder_layer(module: torch.nn.Module) -> bool:
     """A transformer block: what FSDP's TRANSFORMER_BASED_WRAP wraps (the model's
     `_no_split_modules` classes, which hold the attention and the MLP)."""
     return type(module).__name__.endswith(("DecoderLayer", "Block", "EncoderLayer"))
-
-
-def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every trained weight of `module`, on the CPU."""
-    return {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
 def mismatch(folder: Path, why: str) -> StageError:

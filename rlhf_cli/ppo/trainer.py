@@ -130,8 +130,12 @@ def minibatch_loss(
     mask = batch["response_mask"]
     logits, values = actor(batch["input_ids"], batch["attention_mask"], mask.shape[1])
     logprobs = response_logprobs(logits, batch["response_ids"], cfg.generation)
+    old, sampled, cap = rollout.logprobs[idx], rollout.sampler_logprobs, cfg.generation.tis_cap
+    weights = None  # truncated importance sampling against the rollout engine's numerics
+    if cap is not None and sampled is not None:
+        weights = core.tis_weights(old, sampled[idx].to(old.device), cap)
     pg_loss, clipfrac = core.ppo_policy_loss(
-        logprobs, rollout.logprobs[idx], advantages[idx], mask, cfg.cliprange
+        logprobs, old, advantages[idx], mask, cfg.cliprange, weights
     )
     vf_loss, vf_clipfrac = core.ppo_value_loss(
         values, rollout.values[idx], returns[idx], mask, cfg.cliprange_value
@@ -367,6 +371,7 @@ def run_iteration(
     rows = range(acc.process_index, cfg.batch_size, acc.num_processes)  # global batch rows
     # the precision the update computes in (fp32 master weights); sharded weights gathered once
     with acc.autocast(), ctx.engine.gathered(ctx.actor) as actor:
+        ctx.generator.sync(actor.policy)  # a separate engine (vLLM) gets the latest weights
         rollout = collect_rollout(
             actor,
             ctx.reference,

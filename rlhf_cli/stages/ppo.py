@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from rlhf_cli.data import audit_prompts, load_prompts
 from rlhf_cli.errors import DataError, ModelLoadError, StageError
-from rlhf_cli.generation import generator_for, tokenize_prompts
+from rlhf_cli.generation import Generator, generator_for, stop_token_ids, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
     load_backbone,
@@ -34,12 +34,13 @@ from rlhf_cli.modeling import (
     resolve_dtype,
     resolve_model_path,
     set_dropout,
+    trainable_state,
 )
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.checkpoint import load_checkpoint, newest_valid
 from rlhf_cli.ppo.health import HealthMonitor
 from rlhf_cli.ppo.models import PolicyAndValue, ValueModel, hidden_size_of, zero_value_head
-from rlhf_cli.ppo.sharding import Engine, build_accelerator, engine_for, trainable_state
+from rlhf_cli.ppo.sharding import Engine, build_accelerator, engine_for
 from rlhf_cli.ppo.trainer import PPOContext, summarize, train
 from rlhf_cli.recipe import PpoSection, Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes
@@ -63,6 +64,10 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     """Align the policy with PPO; write `runs/<name>/ppo/`; return its manifest."""
     run = RunDir.for_recipe(recipe)
     device = pick_device(recipe.run.device)
+    if recipe.ppo.generation.backend == "vllm":  # before any model loads
+        from rlhf_cli.vllm_engine import check_vllm
+
+        check_vllm(recipe.model.lora.enabled, recipe.model.quantization.load_in_4bit)
     # Trained weights stay fp32; a half-precision recipe computes under autocast (CUDA only).
     accelerator = build_accelerator(
         recipe,
@@ -133,7 +138,7 @@ def setup(
         actor=prepared_actor,
         reference=reference,
         scorer=scorer,
-        generator=generator_for(actor.policy, tokenizer),
+        generator=rollout_engine(recipe, actor.policy, tokenizer, stage_dir, accelerator),
         tokenizer=tokenizer,
         prompts=prompts,
         queries=queries,
@@ -161,6 +166,25 @@ def setup(
             r for r in read_metrics(stage_dir / "metrics.jsonl") if r.get("iteration", 0) <= start
         ]
     return ctx, start
+
+
+def rollout_engine(
+    recipe: Recipe, policy: Any, tokenizer: Any, stage_dir: Path, accelerator: Any
+) -> Generator:
+    """`ppo.generation.backend`'s engine: transformers on the live policy, or a colocated vLLM
+    engine per process (built from the whole weights, before any sharding)."""
+    if recipe.ppo.generation.backend == "hf":
+        return generator_for(policy, tokenizer)
+    from rlhf_cli.vllm_engine import vllm_generator
+
+    return vllm_generator(
+        policy,
+        tokenizer,
+        stop_token_ids(tokenizer, policy),
+        stage_dir / ".vllm" / f"rank{accelerator.process_index}",
+        recipe.data.prompts.max_tokens + recipe.ppo.generation.max_new_tokens,
+        recipe.run.seed,
+    )
 
 
 def prompt_inputs(

@@ -118,6 +118,7 @@ def test_one_generation_module_serves_every_caller():
     callers = [name for name, text in sources.items() if ".generate(" in text]
     assert set(callers) <= {
         "rlhf_cli.generation",
+        "rlhf_cli.vllm_engine",  # the second backend, behind the same Generator interface
         "rlhf_cli.ppo.rollout",
         "rlhf_cli.audit.measure",
         "rlhf_cli.stages.compare",

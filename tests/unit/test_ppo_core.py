@@ -22,6 +22,7 @@ from rlhf_cli.ppo.core import (
     masked_whiten,
     ppo_policy_loss,
     ppo_value_loss,
+    tis_weights,
 )
 
 BIG = 1e6
@@ -455,3 +456,20 @@ def test_running_moments_match_the_whole_history() -> None:
     restored = RunningMoments()
     restored.load_state_dict(moments.state_dict())
     assert restored.state_dict() == moments.state_dict()
+
+
+def test_tis_weights_and_the_weighted_surrogate_by_hand():
+    """min(π_old / π_sampler, cap) per token, no gradient; the surrogate's masked mean weights
+    each token's clipped term by it."""
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    sampled = torch.tensor([[-1.5, -1.0, -0.5]])  # ratios e^0.5 = 1.6487, e^-1 = 0.3679, 1
+    w = tis_weights(old, sampled, cap=1.5)
+    assert_close(w, torch.tensor([[1.5, math.exp(-1.0), 1.0]]))
+    assert not w.requires_grad
+    logprobs = old.clone().requires_grad_(True)  # ratio 1: the surrogate is -A per token
+    adv = torch.tensor([[1.0, -2.0, 4.0]])
+    mask = torch.tensor([[True, True, False]])
+    loss, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2, weights=w)
+    assert_close(loss, torch.tensor((-1.0 * 1.5 + 2.0 * math.exp(-1.0)) / 2))
+    plain, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2)
+    assert_close(plain, torch.tensor((-1.0 + 2.0) / 2))
