@@ -109,7 +109,7 @@ def build(shape: str, folder: Path) -> Path:
     return folder
 
 
-def recipe(shape: str, work: Path, iterations: int) -> Path:
+def recipe(shape: str, work: Path, iterations: int, backend: str = "hf") -> Path:
     data = tiny_recipe_data(work, f"gpu-{shape}", iterations)
     data["run"]["device"] = "auto"
     data["sft"]["enabled"] = False
@@ -125,12 +125,13 @@ def recipe(shape: str, work: Path, iterations: int) -> Path:
         data["ppo"]["missing_eos_penalty"] = 1.0
     data["reward"] = {**data["reward"], "base_model": None, "pretrained": "builtin:minilm"}
     data["ppo"].update(PPO[shape], learning_rate=1.4e-5)
+    data["ppo"]["generation"]["backend"] = backend
     path = work / f"{shape}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
 
-def check(shape: str, iterations: int) -> dict:
+def check(shape: str, iterations: int, backend: str = "hf") -> dict:
     import torch
     from rich.console import Console
 
@@ -141,7 +142,7 @@ def check(shape: str, iterations: int) -> dict:
     quiet_libraries()
     with tempfile.TemporaryDirectory(prefix=f"gpu-{shape}-") as work:
         start = time.perf_counter()
-        r = load_recipe(recipe(shape, Path(work), iterations))
+        r = load_recipe(recipe(shape, Path(work), iterations, backend))
         build_s = time.perf_counter() - start
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -156,6 +157,7 @@ def check(shape: str, iterations: int) -> dict:
     ]
     return {
         "shape": shape,
+        "backend": backend,
         "iterations": len(rows),
         "build_s": round(build_s, 1),
         "ppo": {k: v for k, v in PPO[shape].items()},
@@ -175,6 +177,7 @@ def main() -> None:
     parser.add_argument("shapes", nargs="+", choices=sorted(SHAPES))
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--out", default="gpu_check.json")
+    parser.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="rollout engine")
     parser.add_argument(
         "--recipe-to",
         type=Path,
@@ -183,11 +186,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.recipe_to:
-        print(recipe(args.shapes[0], args.recipe_to, args.iterations))
+        print(recipe(args.shapes[0], args.recipe_to, args.iterations, args.backend))
         return
     results = []
     for shape in args.shapes:
-        results.append(check(shape, args.iterations if shape != "mistral7b" else 1))
+        iterations = args.iterations if shape != "mistral7b" else 1
+        results.append(check(shape, iterations, args.backend))
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")  # keep what finished
         print(json.dumps(results[-1]), flush=True)
 

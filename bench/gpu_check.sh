@@ -4,7 +4,8 @@
 # guide's Mistral-7B recipe shape in 4-bit NF4 (peak GPU memory against the guide's ~20 GB).
 # On a machine with two GPUs or more it also runs the Qwen shape under DeepSpeed ZeRO-3 on two
 # GPUs (recipes/accelerate/deepspeed_zero3.yaml), the sharded path the CPU tests prove.
-# Usage (device tool): bash bench/gpu_check.sh  → $OUT/gpu_check_{qwen,mistral,zero3}.json
+# Usage (device tool): bash bench/gpu_check.sh
+#   → $OUT/gpu_check_{qwen,qwen_vllm,mistral,zero3}.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
@@ -16,6 +17,11 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 RLHF_CLI_CACHE="$PWD/.cache/rlhf-c
 nvidia-smi --query-gpu=name,memory.total --format=csv
 timeout 240 .venv-gpu/bin/python bench/gpu_check.py qwen0.5b --iterations 3 \
   --out "$out/gpu_check_qwen.json"
+# the same Qwen shape with the vLLM rollout engine (tokens/s, iteration time, peak memory)
+if .venv-gpu/bin/pip install -q vllm; then
+  timeout 240 .venv-gpu/bin/python bench/gpu_check.py qwen0.5b --iterations 3 --backend vllm \
+    --out "$out/gpu_check_qwen_vllm.json" || echo "the vLLM run failed or did not finish"
+fi
 timeout 300 .venv-gpu/bin/python bench/gpu_check.py mistral7b --out "$out/gpu_check_mistral.json" \
   || echo "mistral7b did not finish in time; the qwen0.5b figures are in $out"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
