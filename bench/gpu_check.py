@@ -125,7 +125,7 @@ def recipe(shape: str, work: Path, iterations: int, backend: str = "hf") -> Path
         data["ppo"]["missing_eos_penalty"] = 1.0
     data["reward"] = {**data["reward"], "base_model": None, "pretrained": "builtin:minilm"}
     data["ppo"].update(PPO[shape], learning_rate=1.4e-5)
-    data["ppo"]["generation"]["backend"] = backend
+    data["ppo"]["generation"] = {**data["ppo"]["generation"], "backend": backend}  # PPO stays as is
     path = work / f"{shape}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
