@@ -67,7 +67,7 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     if recipe.ppo.generation.backend == "vllm":  # before any model loads
         from rlhf_cli.vllm_engine import check_vllm
 
-        check_vllm(recipe.model.lora.enabled, recipe.model.quantization.load_in_4bit)
+        check_vllm(recipe.model.quantization.load_in_4bit)
     # Trained weights stay fp32; a half-precision recipe computes under autocast (CUDA only).
     accelerator = build_accelerator(
         recipe,

@@ -136,16 +136,15 @@ def test_a_checkpoint_resumes_only_under_the_layout_that_wrote_it(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "installed, lora, four_bit, message",
+    "installed, four_bit, message",
     [
-        (False, True, False, r"needs vLLM, which is not installed: pip install 'rlhf-cli\[vllm\]'"),
-        (True, False, False, "needs model.lora.enabled: true"),
-        (True, True, True, "load_in_4bit: false"),
+        (False, False, r"needs vLLM, which is not installed: pip install 'rlhf-cli\[vllm\]'"),
+        (True, True, "load_in_4bit: false"),
     ],
-    ids=["not-installed", "full-weights", "4bit"],
+    ids=["not-installed", "4bit"],
 )
 def test_the_vllm_backend_is_refused_before_any_model_loads(
-    monkeypatch, installed, lora, four_bit, message
+    monkeypatch, installed, four_bit, message
 ):
     from rlhf_cli import vllm_engine
     from rlhf_cli.errors import ModelLoadError
@@ -157,5 +156,5 @@ def test_the_vllm_backend_is_refused_before_any_model_loads(
         lambda name, *a: (object() if installed else None) if name == "vllm" else real(name, *a),
     )
     with pytest.raises(ModelLoadError, match=message) as caught:
-        vllm_engine.check_vllm(lora, four_bit)
+        vllm_engine.check_vllm(four_bit)
     assert "\n" not in str(caught.value)
