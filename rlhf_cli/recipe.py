@@ -279,7 +279,7 @@ class GenerationSection(Section):
     backend: Literal["hf", "vllm"] = _f(
         "hf",
         "Rollout engine: transformers `generate`, or a colocated vLLM engine that gets the "
-        "policy's adapter after every update (`pip install 'rlhf-cli[vllm]'`; PPO only).",
+        "policy's weights after every update (`pip install 'rlhf-cli[vllm]'`; PPO only).",
     )
     tis_cap: float | None = _f(
         None,
