@@ -158,7 +158,7 @@ def test_two_processes_match_one_process(
     assert any(t.abs().max() > 1e-4 for t in mine.values())  # trained: the test can tell
 
 
-@pytest.mark.parametrize("engine", ["fsdp", "zero3"])
+@pytest.mark.parametrize("engine", list(CONFIGS))
 def test_sharded_resume_reproduces_the_uninterrupted_run(
     engine, ppo_recipe, pipeline, small_recipe, tmp_path
 ):
