@@ -46,6 +46,7 @@ def engine(kind: str, model_dir: Path, work: Path) -> tuple[Any, Any, Any]:
 
     from rlhf_cli.generation import generator_for, stop_token_ids
     from rlhf_cli.modeling import load_tokenizer
+    from rlhf_cli.recipe import GenerationSection
 
     tokenizer = load_tokenizer(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -55,7 +56,8 @@ def engine(kind: str, model_dir: Path, work: Path) -> tuple[Any, Any, Any]:
     from rlhf_cli.vllm_engine import vllm_generator
 
     stops = stop_token_ids(tokenizer, policy)
-    return tokenizer, policy, vllm_generator(policy, tokenizer, stops, work, 512, seed=0)
+    gen = GenerationSection()
+    return tokenizer, policy, vllm_generator(policy, tokenizer, stops, work, gen, 512, seed=0)
 
 
 def fixed_length(kind: str, tokenizer: Any, policy: Any, gen: Any, queries: list, n: int) -> float:

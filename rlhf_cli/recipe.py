@@ -281,6 +281,18 @@ class GenerationSection(Section):
         "Rollout engine: transformers `generate`, or a colocated vLLM engine that gets the "
         "policy's weights after every update (`pip install 'rlhf-cli[vllm]'`; PPO only).",
     )
+    vllm_gpu_memory_utilization: float = _f(
+        0.3,
+        "Share of each GPU's memory the vLLM engine may take (weights and KV cache); the rest "
+        "is the training's. CUDA only.",
+        gt=0.0,
+        lt=1.0,
+    )
+    vllm_sleep: bool = _f(
+        False,
+        "Release the vLLM engine's KV cache (sleep level 1) while the update runs, and wake it "
+        "before the next rollout. CUDA only.",
+    )
     tis_cap: float | None = _f(
         None,
         "Truncated importance sampling: weight each token's policy loss by "

@@ -77,10 +77,13 @@ class VLLMGenerator:
     tokenizer: Any
     stop_ids: list[int]
     device: torch.device  # where the returned tensors go (the policy's)
+    sleeps: bool = False  # `vllm_sleep`: the KV cache is released between rollouts
 
     def sync(self, policy: Any) -> None:
         """Load the policy's current weights into the engine, in place (before each rollout,
         on whole weights)."""
+        if self.sleeps:
+            self.llm.wake_up()
         weights = merged_weights(policy)
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(weights.items())}
@@ -98,6 +101,8 @@ class VLLMGenerator:
             [self._params(gen, None if seeds is None else seeds[i]) for i in range(len(queries))],
             use_tqdm=False,
         )
+        if self.sleeps:  # the update gets the KV cache's memory back
+            self.llm.sleep(level=1)
         pad_id = self.tokenizer.pad_token_id
         query_ids, query_mask = left_pad(queries, pad_id, torch.device("cpu"))
         tokens = [list(o.outputs[0].token_ids) or [pad_id] for o in outputs]
@@ -132,7 +137,13 @@ class VLLMGenerator:
 
 
 def vllm_generator(
-    policy: Any, tokenizer: Any, stop_ids: list[int], work: Path, max_len: int, seed: int
+    policy: Any,
+    tokenizer: Any,
+    stop_ids: list[int],
+    work: Path,
+    gen: GenerationSection,
+    max_len: int,
+    seed: int,
 ) -> VLLMGenerator:
     """A colocated engine built from the policy's (merged) weights, saved into `work/base` with
     the tokenizer."""
@@ -146,12 +157,24 @@ def vllm_generator(
     base.save_pretrained(folder, state_dict=weights)
     tokenizer.save_pretrained(folder)
     on_gpu = torch.cuda.is_available()
-    llm = LLM(
-        model=str(folder),
+    llm = LLM(model=str(folder), **engine_settings(gen, on_gpu, max_len, seed))
+    device = next(policy.parameters()).device
+    return VLLMGenerator(llm, tokenizer, stop_ids, device, sleeps=on_gpu and gen.vllm_sleep)
+
+
+def engine_settings(gen: GenerationSection, on_gpu: bool, max_len: int, seed: int) -> dict:
+    """`vllm.LLM`'s settings: float32 and eager on the CPU; on CUDA bf16, CUDA graphs, the
+    recipe's share of GPU memory, and sleep mode when the recipe asks for it."""
+    settings: dict[str, Any] = dict(
         dtype="bfloat16" if on_gpu else "float32",
         enforce_eager=not on_gpu,
         max_model_len=max_len,
         logprobs_mode="processed_logprobs",
         seed=seed,
     )
-    return VLLMGenerator(llm, tokenizer, stop_ids, next(policy.parameters()).device)
+    if on_gpu:
+        settings.update(
+            gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
+            enable_sleep_mode=gen.vllm_sleep,
+        )
+    return settings

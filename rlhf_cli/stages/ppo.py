@@ -182,6 +182,7 @@ def rollout_engine(
         tokenizer,
         stop_token_ids(tokenizer, policy),
         stage_dir / ".vllm" / f"rank{accelerator.process_index}",
+        recipe.ppo.generation,
         recipe.data.prompts.max_tokens + recipe.ppo.generation.max_new_tokens,
         recipe.run.seed,
     )

@@ -158,3 +158,21 @@ def test_the_vllm_backend_is_refused_before_any_model_loads(
     with pytest.raises(ModelLoadError, match=message) as caught:
         vllm_engine.check_vllm(four_bit)
     assert "\n" not in str(caught.value)
+
+
+def test_the_vllm_engine_settings_follow_the_recipe_on_cuda_only():
+    from rlhf_cli.recipe import GenerationSection
+    from rlhf_cli.vllm_engine import engine_settings
+
+    gen = GenerationSection(vllm_gpu_memory_utilization=0.45, vllm_sleep=True)
+    cpu = engine_settings(gen, on_gpu=False, max_len=256, seed=3)
+    assert cpu == {
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": 256,
+        "logprobs_mode": "processed_logprobs",
+        "seed": 3,
+    }
+    gpu = engine_settings(gen, on_gpu=True, max_len=256, seed=3)
+    assert gpu["dtype"] == "bfloat16" and not gpu["enforce_eager"]
+    assert (gpu["gpu_memory_utilization"], gpu["enable_sleep_mode"]) == (0.45, True)

@@ -47,7 +47,8 @@ def policy_and_engine(tmp_path_factory: pytest.TempPathFactory):
     lora = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"])
     policy = get_peft_model(LlamaForCausalLM(config), lora).eval()
     work = tmp_path_factory.mktemp("vllm")
-    engine = vllm_generator(policy, tokenizer, stop_token_ids(tokenizer, policy), work, 160, seed=0)
+    stops = stop_token_ids(tokenizer, policy)
+    engine = vllm_generator(policy, tokenizer, stops, work, GenerationSection(), 160, seed=0)
     return policy, tokenizer, engine
 
 
