@@ -72,13 +72,9 @@ def test_mistral7b_has_the_guides_values():
         "save_freq": 50,
     }
     assert {k: ppo[k] for k in expected} == expected
-    assert ppo["generation"] == {
-        "max_new_tokens": 200,
-        "temperature": 0.8,
-        "top_p": 0.9,
-        "top_k": 0,
-        "do_sample": True,
-    }
+    guide = {"max_new_tokens": 200, "temperature": 0.8, "top_p": 0.9, "top_k": 0, "do_sample": True}
+    assert {k: ppo["generation"][k] for k in guide} == guide
+    assert (ppo["generation"]["backend"], ppo["generation"]["tis_cap"]) == ("hf", None)
     # beyond the guide, what a 7B run needs: unended answers penalised, the scores clipped after
     # the penalty, no weight decay, activations recomputed
     assert (ppo["missing_eos_penalty"], ppo["weight_decay"]) == (1.0, 0.0)
