@@ -1,10 +1,13 @@
 """PPO checkpoints: everything needed to continue exactly where a run stopped.
 
-`ppo/checkpoints/iter_NNNNN/` holds the trainable policy weights (the LoRA adapter, or all weights
-without LoRA), the value head or critic, optimizer, scheduler, KL controller, RNG states and the
-iteration counter. It is written into a temporary folder and renamed into place; its own
-`checkpoint.json`, written last, lists every file's sha256, so a truncated or corrupted
-checkpoint is detected on `--resume` and the previous good one is used instead.
+`ppo/checkpoints/iter_NNNNN/` holds the trainable policy weights (`policy.safetensors`: the LoRA
+adapter, or all weights without LoRA, gathered whole), the value head or critic
+(`value.safetensors`), the optimizer state (`optimizer.pt`, or `engine/` as DeepSpeed or FSDP2
+shard it), scheduler, KL controller, each process's RNG states (`rng_<rank>.pt`) and the iteration
+counter with the engine and number of processes that wrote it (`state.json`). It is written into
+a temporary folder and renamed into place; its own `checkpoint.json`, written last, lists every
+file's sha256, so a truncated or corrupted checkpoint is detected on `--resume` and the previous
+good one is used instead.
 """
 
 from __future__ import annotations
@@ -162,6 +165,9 @@ def load_checkpoint(
     engine.load_state(actor, optimizer, folder)
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
     kl_ctl.load_state_dict(state["kl_controller"])
-    rng = torch.load(folder / f"rng_{acc.process_index}.pt", weights_only=False)
+    rng_file = folder / f"rng_{acc.process_index}.pt"
+    if not rng_file.is_file() and (folder / "rng.pt").is_file():  # one-process, before rng_<rank>
+        rng_file = folder / "rng.pt"
+    rng = torch.load(rng_file, weights_only=False)
     set_rng_state(rng, sampler)
     return state

@@ -367,3 +367,19 @@ def test_different_trainable_weights_are_refused_before_anything_changes(tmp_pat
     )
     assert other.kl_ctl.state_dict() == kl_before
     assert other.scheduler.last_epoch == 0
+
+
+def test_a_checkpoint_written_before_per_process_rng_files_still_resumes(tmp_path):
+    saved = Parts(0)
+    saved.train_steps(1)
+    folder = saved.save(tmp_path, 1)
+    (folder / "rng_0.pt").rename(folder / "rng.pt")  # the one-process layout of earlier versions
+    state = json.loads((folder / "state.json").read_text())
+    for key in ("engine", "processes"):
+        del state[key]
+    (folder / "state.json").write_text(json.dumps(state))
+    expected = draws(saved.sampler)
+    fresh = Parts(0)
+    fresh.load(folder)
+    assert draws(fresh.sampler) == expected
+    assert torch.equal(fresh.policy.head.weight, saved.policy.head.weight)
