@@ -11,7 +11,9 @@ from rich.console import Console
 from rlhf_cli.rundir import RunDir
 from rlhf_cli.tracking import read_metrics
 
-pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm runs these)")
+pytest.importorskip(
+    "vllm.sampling_params", reason="vLLM is not installed (make test-vllm runs these)"
+)
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 

@@ -21,7 +21,9 @@ from rlhf_cli.generation import (
 )
 from rlhf_cli.recipe import GenerationSection
 
-pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm runs these)")
+pytest.importorskip(
+    "vllm.sampling_params", reason="vLLM is not installed (make test-vllm runs these)"
+)
 pytestmark = pytest.mark.vllm
 PROMPTS = ["hello there", "how do I keep cut flowers fresh for longer", "name a colour"]
 
