@@ -144,7 +144,6 @@ class Engine:
     """Replicated weights (one process, or DDP through accelerate)."""
 
     name = "ddp"
-    shards_weights = False
 
     def __init__(self, acc: Any):
         self.acc = acc
@@ -190,10 +189,6 @@ class DeepSpeedEngine(Engine):
 
     name = "deepspeed"
 
-    @property
-    def shards_weights(self) -> bool:  # type: ignore[override]
-        return _zero_stage() == 3
-
     @contextmanager
     def loading(self) -> Iterator[None]:
         # accelerate registers its ZeRO-3 config with transformers, whose from_pretrained
@@ -209,7 +204,7 @@ class DeepSpeedEngine(Engine):
 
     @contextmanager
     def gathered(self, actor: Any) -> Iterator[Any]:
-        if not self.shards_weights:
+        if _zero_stage() != 3:  # ZeRO-2 keeps whole weights on every process
             yield self.acc.unwrap_model(actor)
             return
         import deepspeed
@@ -247,7 +242,6 @@ class Fsdp2Engine(Engine):
     (parameters, gradients and optimizer state); gradients reduce-scatter in the backward."""
 
     name = "fsdp"
-    shards_weights = True
 
     @contextmanager
     def loading(self) -> Iterator[None]:
