@@ -44,7 +44,7 @@ def engine(kind: str, model_dir: Path, work: Path) -> tuple[Any, Any, Any]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from rlhf_cli.generation import generator_for, stop_token_ids
+    from rlhf_cli.generation import generator_for
     from rlhf_cli.modeling import load_tokenizer
     from rlhf_cli.recipe import GenerationSection
 
@@ -55,9 +55,8 @@ def engine(kind: str, model_dir: Path, work: Path) -> tuple[Any, Any, Any]:
         return tokenizer, policy, generator_for(policy, tokenizer)
     from rlhf_cli.vllm_engine import vllm_generator
 
-    stops = stop_token_ids(tokenizer, policy)
     gen = GenerationSection()
-    return tokenizer, policy, vllm_generator(policy, tokenizer, stops, work, gen, 512, seed=0)
+    return tokenizer, policy, vllm_generator(policy, tokenizer, gen, 512, seed=0, scratch=work)
 
 
 def fixed_length(kind: str, tokenizer: Any, policy: Any, gen: Any, queries: list, n: int) -> float:

@@ -80,9 +80,18 @@ class Generator(Protocol):
         row's draws come from its own seed, whatever else is in the batch."""
         ...
 
-    def sync(self, policy: Any) -> None:
-        """Bring the engine up to the policy's current weights (before each rollout)."""
+    def sync(self, model: Any) -> None:
+        """Answer as `model` does from now on: the live policy's current weights before each
+        rollout, or the reference (the policy with its adapter disabled, or a frozen copy of
+        the same architecture) for the audit's comparison."""
         ...
+
+
+def row_seed(seed: int, round_: int, row: int) -> int:
+    """The sampling seed of row `row` of a round's batch (the backends hash it further): the
+    same whichever process or batch generates the row. PPO's rollouts are rounds 1, 2, ... (the
+    iteration); the audit and compare sample round 0, the same draws each time they run."""
+    return ((seed * 1_000_003 + round_) * 65_537 + row) % 2**63
 
 
 # ── prompts in, token tensors out ───────────────────────────────────────────────────────────────
@@ -393,8 +402,9 @@ class HFGenerator:
     tokenizer: Any
     stop_ids: list[int]
 
-    def sync(self, policy: Any) -> None:
-        """Nothing to do: `generate` runs the live policy."""
+    def sync(self, model: Any) -> None:
+        """`generate` runs `model` itself from now on."""
+        self.model = model
 
     @torch.inference_mode()
     def generate(
@@ -417,8 +427,8 @@ class HFGenerator:
                 generation_config=generation_config(gen, self.stop_ids, pad_id, greedy=seeded),
                 logits_processor=processors,
                 # the weights are whole here (sharded engines gather them first), so processes
-                # need not step together: transformers' default under ZeRO-3 / FSDP would hang a
-                # generation that only the main process runs (the in-training audit)
+                # need not step together: transformers' default under ZeRO-3 / FSDP steps every
+                # process until the longest generation ends
                 synced_gpus=False,
             )
         response_ids = output[:, query_ids.shape[1] :]

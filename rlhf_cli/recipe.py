@@ -278,8 +278,10 @@ class GenerationSection(Section):
     do_sample: bool = _f(True, "Sample (True) or decode greedily.")
     backend: Literal["hf", "vllm"] = _f(
         "hf",
-        "Rollout engine: transformers `generate`, or a colocated vLLM engine that gets the "
-        "policy's weights after every update (`pip install 'rlhf-cli[vllm]'`; PPO only).",
+        "Generation engine: transformers `generate`, or a colocated vLLM engine that gets the "
+        "policy's weights after every update (`pip install 'rlhf-cli[vllm]'`). "
+        "`ppo.generation.backend` samples the rollouts (and the in-training audit); "
+        "`audit.generation.backend` serves `rlhf audit` and `rlhf compare`.",
     )
     vllm_gpu_memory_utilization: float = _f(
         0.3,
@@ -287,6 +289,13 @@ class GenerationSection(Section):
         "is the training's. CUDA only.",
         gt=0.0,
         lt=1.0,
+    )
+    vllm_tensor_parallel_size: int = _f(
+        1,
+        "Processes (GPUs) that share one vLLM engine, its weights split across them. Under "
+        "`accelerate launch` the processes form groups of this size (it must divide their "
+        "number); each group samples its members' prompts together.",
+        ge=1,
     )
     vllm_sleep: bool = _f(
         False,

@@ -119,10 +119,11 @@ class MetricsWriter:
             self._wandb.finish()
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of a JSONL log (none when the file is missing). A last line cut short (a run
-    killed while writing it) is dropped; any other line that is not a JSON object is a
-    DataError naming the file and line."""
+def read_metrics(path: Path, through: int | None = None) -> list[dict[str, Any]]:
+    """The rows of a JSONL log (none when the file is missing); with `through`, only those of
+    iterations 1 to `through`. A last line cut short (a run killed while writing it) is
+    dropped; any other line that is not a JSON object is a DataError naming the file and
+    line."""
     if not path.is_file():
         return []
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
@@ -136,4 +137,6 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             rows.append(row)
         elif number < len(lines):
             raise DataError(f"{path}:{number}: not a JSON object; the log is damaged")
+    if through is not None:
+        rows = [r for r in rows if 0 < r.get("iteration", 0) <= through]
     return rows

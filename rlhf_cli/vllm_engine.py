@@ -16,14 +16,22 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rlhf_cli.errors import ModelLoadError
-from rlhf_cli.generation import Generations, decode, left_pad, response_mask_from
+from rlhf_cli.generation import (
+    Generations,
+    decode,
+    left_pad,
+    response_mask_from,
+    stop_token_ids,
+)
 from rlhf_cli.recipe import GenerationSection
 
 INSTALL = (
@@ -47,14 +55,15 @@ def check_vllm(four_bit: bool) -> None:
 
 def merged_weights(policy: Any) -> dict[str, torch.Tensor]:
     """The policy's weights by the base model's names, each LoRA delta added to its base weight
-    (peft's `get_delta_weight`); the policy itself is not touched. Parameters as the modules
-    hold them (whole inside a gather)."""
+    (peft's `get_delta_weight`); the policy itself is not touched. An adapter that is disabled
+    (the reference, inside `disable_adapter`) or already merged adds nothing. Parameters as the
+    modules hold them (whole inside a gather)."""
     from peft.tuners.lora import LoraLayer
 
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     deltas: dict[str, torch.Tensor] = {}
     for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
+        if isinstance(module, LoraLayer) and not (module.disable_adapters or module.merged):
             for adapter in module.active_adapters:
                 delta = module.get_delta_weight(adapter).detach()
                 key = f"{name}.weight"
@@ -78,13 +87,14 @@ class VLLMGenerator:
     stop_ids: list[int]
     device: torch.device  # where the returned tensors go (the policy's)
     sleeps: bool = False  # `vllm_sleep`: the KV cache is released between rollouts
+    group: Any = None  # the processes sharing this engine (tensor parallel), if more than one
 
-    def sync(self, policy: Any) -> None:
-        """Load the policy's current weights into the engine, in place (before each rollout,
-        on whole weights)."""
+    def sync(self, model: Any) -> None:
+        """Load `model`'s current weights into the engine, in place (the policy before each
+        rollout, or the reference for the audit; on whole weights)."""
         if self.sleeps:
             self.llm.wake_up()
-        weights = merged_weights(policy)
+        weights = merged_weights(model)
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(weights.items())}
         )
@@ -96,11 +106,13 @@ class VLLMGenerator:
     ) -> Generations:
         """Answers to `queries` as `HFGenerator.generate` returns them (left-padded queries,
         responses padded after each stop), with the engine's log-probs."""
+        asked, mine = self._together(queries)
+        row_seeds = self._together(seeds if seeds is not None else [None] * len(queries))[0]
         outputs = self.llm.generate(
-            [{"prompt_token_ids": q} for q in queries],
-            [self._params(gen, None if seeds is None else seeds[i]) for i in range(len(queries))],
+            [{"prompt_token_ids": q} for q in asked],
+            [self._params(gen, seed) for seed in row_seeds],
             use_tqdm=False,
-        )
+        )[mine]
         if self.sleeps:  # the update gets the KV cache's memory back
             self.llm.sleep(level=1)
         pad_id = self.tokenizer.pad_token_id
@@ -120,6 +132,16 @@ class VLLMGenerator:
             query_ids, query_mask, response_ids, response_mask, ended, texts, sampler
         )
 
+    def _together(self, items: list[Any]) -> tuple[list[Any], slice]:
+        """Every member's `items` of this engine's group, in rank order, and where this
+        process's own lie: the members of a tensor-parallel engine must ask alike."""
+        if self.group is None:
+            return items, slice(0, len(items))
+        parts: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, items, group=self.group)
+        start = sum(len(p) for p in parts[: dist.get_rank(self.group)])
+        return [x for p in parts for x in p], slice(start, start + len(items))
+
     def _params(self, gen: GenerationSection, seed: int | None) -> Any:
         from vllm import SamplingParams
 
@@ -137,41 +159,77 @@ class VLLMGenerator:
 
 
 def vllm_generator(
-    policy: Any,
-    tokenizer: Any,
-    stop_ids: list[int],
-    work: Path,
-    gen: GenerationSection,
-    max_len: int,
-    seed: int,
+    model: Any, tokenizer: Any, gen: GenerationSection, max_len: int, seed: int, scratch: Path
 ) -> VLLMGenerator:
-    """A colocated engine built from the policy's (merged) weights, saved into `work/base` with
-    the tokenizer."""
+    """A colocated engine built from `model`'s (merged) weights, which the main process saves
+    with the tokenizer into a folder under `scratch` for every process's vLLM to load, and
+    removes once they have."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-    folder = work / "base"
-    weights = {k: v.cpu().clone() for k, v in merged_weights(policy).items()}
-    base.save_pretrained(folder, state_dict=weights)
-    tokenizer.save_pretrained(folder)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    weights = {k: v.cpu().clone() for k, v in merged_weights(model).items()}
     on_gpu = torch.cuda.is_available()
-    llm = LLM(model=str(folder), **engine_settings(gen, on_gpu, max_len, seed))
-    device = next(policy.parameters()).device
-    return VLLMGenerator(llm, tokenizer, stop_ids, device, sleeps=on_gpu and gen.vllm_sleep)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    group = tensor_parallel_group(world, gen.vllm_tensor_parallel_size)
+    folder = scratch / ".vllm-weights"  # written once, read by every process's engine
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    if main:
+        shutil.rmtree(folder, ignore_errors=True)
+        base.save_pretrained(folder, state_dict=weights)
+        tokenizer.save_pretrained(folder)
+    _barrier()
+    try:
+        llm = LLM(model=str(folder), **engine_settings(gen, on_gpu, max_len, seed, world))
+    finally:
+        _barrier()
+        if main:
+            shutil.rmtree(folder, ignore_errors=True)
+    device = next(model.parameters()).device
+    stop_ids = stop_token_ids(tokenizer, model)
+    sleeps = on_gpu and gen.vllm_sleep
+    return VLLMGenerator(llm, tokenizer, stop_ids, device, sleeps=sleeps, group=group)
 
 
-def engine_settings(gen: GenerationSection, on_gpu: bool, max_len: int, seed: int) -> dict:
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def tensor_parallel_group(world: int, size: int) -> Any:
+    """This process's group of `size` consecutive ranks sharing one engine (None when it is
+    alone); every process takes part in making the groups."""
+    if world % size:
+        raise ModelLoadError(
+            f"ppo.generation.vllm_tensor_parallel_size: {size} does not divide the "
+            f"{world} processes"
+        )
+    if world == 1 or size == 1:
+        return None
+    group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(start, start + size)) for start in range(0, world, size)]
+    )
+    return group
+
+
+def engine_settings(
+    gen: GenerationSection, on_gpu: bool, max_len: int, seed: int, world: int = 1
+) -> dict:
     """`vllm.LLM`'s settings: float32 and eager on the CPU; on CUDA bf16, CUDA graphs, the
-    recipe's share of GPU memory, and sleep mode when the recipe asks for it."""
+    recipe's share of GPU memory, and sleep mode when the recipe asks for it. Under a launcher
+    (`world` processes) the engines join the launcher's processes (`external_launcher`), each
+    group of `vllm_tensor_parallel_size` sharing one."""
     settings: dict[str, Any] = dict(
         dtype="bfloat16" if on_gpu else "float32",
         enforce_eager=not on_gpu,
         max_model_len=max_len,
         logprobs_mode="processed_logprobs",
         seed=seed,
+        tensor_parallel_size=gen.vllm_tensor_parallel_size,
     )
+    if world > 1:
+        settings["distributed_executor_backend"] = "external_launcher"
     if on_gpu:
         settings.update(
             gpu_memory_utilization=gen.vllm_gpu_memory_utilization,

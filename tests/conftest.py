@@ -133,3 +133,21 @@ def llama_config() -> Callable[..., Any]:
         return LlamaConfig(**{**settings, **overrides})
 
     return make
+
+
+@pytest.fixture(scope="session")
+def sampler_gap() -> Callable[..., float]:
+    """Largest |log-prob the sampler recorded - log-prob of the training forward| over the
+    response tokens of `answers` (a `Generations`), both under `gen`'s processors."""
+    import torch
+
+    from rlhf_cli.generation import response_logits, response_logprobs
+
+    def gap(model: Any, answers: Any, gen: Any) -> float:
+        width = answers.response_ids.shape[1]
+        with torch.no_grad():
+            logits = response_logits(model, answers.input_ids, answers.attention_mask, width)
+        logprobs = response_logprobs(logits, answers.response_ids, gen)
+        return float((answers.sampler_logprobs - logprobs).abs()[answers.response_mask].max())
+
+    return gap

@@ -17,6 +17,7 @@ from rlhf_cli.generation import (
     generator_for,
     response_logits,
     response_logprobs,
+    row_seed,
     tokenize_prompts,
 )
 from rlhf_cli.modeling import Reference
@@ -27,11 +28,21 @@ ACTION = "Increase KL coefficient (β) by {step} and recheck in 25 iterations."
 
 
 def _sample(
-    generator: Generator, queries: list[list[int]], cfg: AuditSection, batch_size: int
+    generator: Generator,
+    queries: list[list[int]],
+    cfg: AuditSection,
+    batch_size: int,
+    seed: int,
 ) -> list[Generations]:
-    """Answers to `queries` in batches of `batch_size`."""
+    """Answers to `queries` in batches of `batch_size`, each row from its own seed (round 0 of
+    `row_seed`): the same draws whatever the engine sampled before."""
+    seeds = [row_seed(seed, 0, row) for row in range(len(queries))]
     return [
-        generator.generate(queries[start : start + batch_size], cfg.generation)
+        generator.generate(
+            queries[start : start + batch_size],
+            cfg.generation,
+            seeds[start : start + batch_size],
+        )
         for start in range(0, len(queries), batch_size)
     ]
 
@@ -62,17 +73,23 @@ def audit_policy(
     *,
     chat: bool,
     max_tokens: int,
+    seed: int,
     reference: Reference | None = None,
     scorer: RewardScorer | None = None,
     batch_size: int = 16,
+    generator: Generator | None = None,
 ) -> dict[str, Any]:
     """The guide's audit report on `cfg.samples` responses per prompt; with a reward model and
-    the reference, their mean rewards and the policy's KL to the reference too."""
+    the reference, their mean rewards and the policy's KL to the reference too. `generator`
+    samples (synced to the policy, then to the reference); transformers `generate` by
+    default. Each answer samples from its own seed, derived from `seed`."""
     was_training = model.training
     model.eval()
     asked = [p for p in prompts for _ in range(cfg.samples)]
     queries = tokenize_prompts(tokenizer, asked, chat, max_tokens)
-    batches = _sample(generator_for(model, tokenizer), queries, cfg, batch_size)
+    generator = generator or generator_for(model, tokenizer)
+    generator.sync(model)
+    batches = _sample(generator, queries, cfg, batch_size, seed)
     responses = [text for answers in batches for text in answers.texts]
     report = audit_responses(responses, cfg)
     if scorer is not None:
@@ -81,7 +98,8 @@ def audit_policy(
         report["kl_to_reference"] = _kl_to_reference(model, reference, batches, cfg.generation)
         if scorer is not None:
             with reference.model() as ref:
-                ref_batches = _sample(generator_for(ref, tokenizer), queries, cfg, batch_size)
+                generator.sync(ref)
+                ref_batches = _sample(generator, queries, cfg, batch_size, seed)
             ref_responses = [text for answers in ref_batches for text in answers.texts]
             report["reward_reference_mean"] = float(scorer.score(asked, ref_responses)[0].mean())
     report["samples"] = [

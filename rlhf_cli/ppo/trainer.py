@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from rlhf_cli.errors import CheckpointWriteError, NonFiniteError
-from rlhf_cli.generation import Generator, response_logprobs, score_temperature
+from rlhf_cli.generation import Generator, response_logprobs, row_seed, score_temperature
 from rlhf_cli.modeling import Reference
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.checkpoint import save_checkpoint
@@ -81,12 +81,6 @@ def sample_batch(ctx: PPOContext) -> list[int]:
     while len(draws) < n:  # epochs over the prompt pool when it is smaller than a batch
         draws.extend(torch.randperm(len(ctx.prompts), generator=ctx.sampler).tolist())
     return draws[:n][acc.process_index :: acc.num_processes]
-
-
-def row_seed(seed: int, iteration: int, row: int) -> int:
-    """The sampling seed of row `row` of iteration `iteration`'s global batch (generation
-    hashes it further): the same whichever process generates the row."""
-    return ((seed * 1_000_003 + iteration) * 65_537 + row) % 2**63
 
 
 def global_sum(acc: Any) -> core.Reducer:
@@ -474,12 +468,16 @@ def train(ctx: PPOContext, start_iteration: int = 0) -> dict[str, Any]:
 
 def _audit_metrics(ctx: PPOContext, iteration: int) -> dict[str, float]:
     """The in-training audit every `audit.every` iterations: its rates go into metrics.jsonl,
-    and when it flags hacking β is raised by `audit.kl_coef_step` (on every process)."""
+    and when it flags hacking β is raised by `audit.kl_coef_step` (on every process). Every
+    process audits (the members of a tensor-parallel vLLM engine sample together); the main
+    process's report counts."""
     if ctx.audit is None or not ctx.audit_every or iteration % ctx.audit_every:
         return {}
     acc = ctx.accelerator
     with ctx.engine.gathered(ctx.actor) as actor:  # every process joins the gather
-        report = ctx.audit(actor) if acc.is_main_process else None
+        report = ctx.audit(actor)
+    if not acc.is_main_process:
+        report = None
     flagged = torch.tensor(float(bool(report and report["hacking_detected"])), device=acc.device)
     flagged_any = bool(acc.reduce(flagged, "max").item())
     if flagged_any:

@@ -17,7 +17,12 @@ from rlhf_cli.modeling import pick_device
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json
 from rlhf_cli.stages.common import seed_everything
-from rlhf_cli.stages.trained import load_scorer, load_trained_policy
+from rlhf_cli.stages.trained import (
+    check_engine,
+    generation_engine,
+    load_scorer,
+    load_trained_policy,
+)
 
 
 def run_audit(
@@ -40,7 +45,11 @@ def run_audit(
     else:
         device = pick_device(recipe.run.device)
         seed_everything(recipe.run.seed)  # the same audit twice samples the same responses
+        check_engine(cfg.generation, recipe)
         policy = load_trained_policy(recipe, run, device, checkpoint)
+        generator = generation_engine(
+            cfg.generation, policy.model, policy.tokenizer, recipe, run.path
+        )
         label = policy.label if checkpoint is not None else "ppo"
         with console.status(f"auditing {label}: sampling {cfg.samples} responses per prompt"):
             report = audit_policy(
@@ -52,6 +61,8 @@ def run_audit(
                 max_tokens=recipe.data.prompts.max_tokens,
                 reference=policy.reference,
                 scorer=load_scorer(recipe, run, device),
+                generator=generator,
+                seed=recipe.run.seed,
             )
     report["audited"] = str(responses_file or checkpoint or run.stage_dir("ppo"))
     earlier = (run.read_manifest("audit") or {}).get("outputs", {})

@@ -6,35 +6,45 @@ from typing import Any
 
 from rlhf_cli.data import audit_prompts
 from rlhf_cli.errors import StageError
-from rlhf_cli.generation import generator_for, tokenize_prompts
+from rlhf_cli.generation import row_seed, tokenize_prompts
 from rlhf_cli.modeling import pick_device
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir
 from rlhf_cli.stages.common import seed_everything
-from rlhf_cli.stages.trained import load_scorer, load_trained_policy
+from rlhf_cli.stages.trained import (
+    check_engine,
+    generation_engine,
+    load_scorer,
+    load_trained_policy,
+)
 
 
 def run_compare(recipe: Recipe, prompts: list[str] | None = None) -> list[dict[str, Any]]:
     """For each prompt: the SFT (reference) answer, the PPO answer, and their reward scores.
-    Seeded from `run.seed`, like the audit: the same call twice gives the same answers."""
+    Seeded from `run.seed`, like the audit: the same call twice gives the same answers, and
+    both policies answer a prompt from the same seed."""
     run = RunDir.for_recipe(recipe)
     device = pick_device(recipe.run.device)
     seed_everything(recipe.run.seed)
+    gen = recipe.audit.generation
+    check_engine(gen, recipe)
     policy = load_trained_policy(recipe, run, device)
     if policy.reference is None:
         raise StageError("compare needs the SFT model of the run as reference")
     scorer = load_scorer(recipe, run, device)
     prompts = prompts or audit_prompts(recipe.audit)
-    gen = recipe.audit.generation
     queries = tokenize_prompts(
         policy.tokenizer,
         prompts,
         recipe.model.prompt_format == "chat",
         recipe.data.prompts.max_tokens,
     )
-    answers = {"ppo": generator_for(policy.model, policy.tokenizer).generate(queries, gen).texts}
+    generator = generation_engine(gen, policy.model, policy.tokenizer, recipe, run.path)
+    seeds = [row_seed(recipe.run.seed, 0, row) for row in range(len(queries))]
+    answers = {"ppo": generator.generate(queries, gen, seeds).texts}
     with policy.reference.model() as ref:
-        answers["sft"] = generator_for(ref, policy.tokenizer).generate(queries, gen).texts
+        generator.sync(ref)
+        answers["sft"] = generator.generate(queries, gen, seeds).texts
     rows = [
         {"prompt": p, "sft": s, "ppo": q}
         for p, s, q in zip(prompts, answers["sft"], answers["ppo"], strict=True)

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from rlhf_cli.data import audit_prompts, load_prompts
 from rlhf_cli.errors import DataError, ModelLoadError, StageError
-from rlhf_cli.generation import Generator, generator_for, stop_token_ids, tokenize_prompts
+from rlhf_cli.generation import Generator, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
     load_backbone,
@@ -46,7 +46,13 @@ from rlhf_cli.recipe import PpoSection, Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import seed_everything
-from rlhf_cli.stages.trained import frozen_scorer, policy_source, reward_source
+from rlhf_cli.stages.trained import (
+    check_engine,
+    frozen_scorer,
+    generation_engine,
+    policy_source,
+    reward_source,
+)
 from rlhf_cli.tracking import MetricsWriter, read_metrics
 
 
@@ -64,10 +70,7 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     """Align the policy with PPO; write `runs/<name>/ppo/`; return its manifest."""
     run = RunDir.for_recipe(recipe)
     device = pick_device(recipe.run.device)
-    if recipe.ppo.generation.backend == "vllm":  # before any model loads
-        from rlhf_cli.vllm_engine import check_vllm
-
-        check_vllm(recipe.model.quantization.load_in_4bit)
+    check_engine(recipe.ppo.generation, recipe)
     # Trained weights stay fp32; a half-precision recipe computes under autocast (CUDA only).
     accelerator = build_accelerator(
         recipe,
@@ -110,12 +113,13 @@ def setup(
     # 1. Tokenizer, prompts, and the guide's "common mistakes" caught before training.
     tokenizer, prompts, queries = prompt_inputs(recipe, run, sources, record, console)
 
-    # 2. Models: frozen reward model, actor (policy + value), reference.
+    # 2. Models: frozen reward model, actor (policy + value), reference; the rollout engine.
     engine = engine_for(accelerator)
     with engine.loading():
         scorer = frozen_scorer(recipe.reward, sources.reward, sources.reward_tokenizer, device)
         actor, reference = build_actor(recipe, sources, device, scorer, tokenizer)
     check_fit(recipe, actor.policy, scorer.model, scorer.tokenizer)
+    generator = generation_engine(cfg.generation, actor.policy, tokenizer, recipe, stage_dir)
 
     # 3. The engine wraps (or shards) the actor and builds its optimizer; schedule, KL
     # controller, prompt sampler; then resume if asked.
@@ -138,7 +142,7 @@ def setup(
         actor=prepared_actor,
         reference=reference,
         scorer=scorer,
-        generator=rollout_engine(recipe, actor.policy, tokenizer, stage_dir, accelerator),
+        generator=generator,
         tokenizer=tokenizer,
         prompts=prompts,
         queries=queries,
@@ -155,37 +159,14 @@ def setup(
         health=HealthMonitor(state.get("health_seen")),
         score_moments=score_moments(cfg, state),
         on_warning=record.warn,
-        audit=_live_audit(recipe, tokenizer, reference, scorer),
+        audit=_live_audit(recipe, tokenizer, reference, scorer, generator),
         audit_every=recipe.audit.every,
         audit_kl_step=recipe.audit.kl_coef_step,
         max_nonfinite=cfg.max_nonfinite,
         seed=recipe.run.seed,
+        history=read_metrics(stage_dir / "metrics.jsonl", through=start),
     )
-    if start:
-        ctx.history = [
-            r for r in read_metrics(stage_dir / "metrics.jsonl") if r.get("iteration", 0) <= start
-        ]
     return ctx, start
-
-
-def rollout_engine(
-    recipe: Recipe, policy: Any, tokenizer: Any, stage_dir: Path, accelerator: Any
-) -> Generator:
-    """`ppo.generation.backend`'s engine: transformers on the live policy, or a colocated vLLM
-    engine per process (built from the whole weights, before any sharding)."""
-    if recipe.ppo.generation.backend == "hf":
-        return generator_for(policy, tokenizer)
-    from rlhf_cli.vllm_engine import vllm_generator
-
-    return vllm_generator(
-        policy,
-        tokenizer,
-        stop_token_ids(tokenizer, policy),
-        stage_dir / ".vllm" / f"rank{accelerator.process_index}",
-        recipe.ppo.generation,
-        recipe.data.prompts.max_tokens + recipe.ppo.generation.max_new_tokens,
-        recipe.run.seed,
-    )
 
 
 def prompt_inputs(
@@ -283,9 +264,14 @@ def startup_warnings(recipe: Recipe, run: RunDir, prompts: list[str]) -> list[st
 
 
 def _live_audit(
-    recipe: Recipe, tokenizer: Any, reference: Reference, scorer: RewardScorer
+    recipe: Recipe,
+    tokenizer: Any,
+    reference: Reference,
+    scorer: RewardScorer,
+    generator: Generator,
 ) -> Callable[[PolicyAndValue], dict[str, Any]]:
-    """`audit.every`: the same audit as `rlhf audit`, on the live policy (given whole)."""
+    """`audit.every`: the same audit as `rlhf audit`, on the live policy (given whole), sampled
+    by the rollout engine (the next rollout syncs it back to the policy)."""
     from rlhf_cli.audit.measure import audit_policy
 
     chat = recipe.model.prompt_format == "chat"
@@ -301,6 +287,8 @@ def _live_audit(
             max_tokens=recipe.data.prompts.max_tokens,
             reference=reference,
             scorer=scorer,
+            generator=generator,
+            seed=recipe.run.seed,
         )
 
     return audit

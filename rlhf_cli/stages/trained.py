@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rlhf_cli.errors import StageError
+from rlhf_cli.generation import Generator, generator_for
 from rlhf_cli.modeling import (
     Reference,
     freeze,
@@ -25,7 +26,7 @@ from rlhf_cli.modeling import (
     make_trainable,
     set_dropout,
 )
-from rlhf_cli.recipe import ModelSection, Recipe, RewardSection
+from rlhf_cli.recipe import GenerationSection, ModelSection, Recipe, RewardSection
 from rlhf_cli.rundir import RunDir
 from rlhf_cli.scoring import RewardScorer
 
@@ -156,3 +157,25 @@ def frozen_scorer(
     set_dropout(model, 0.0)
     tokenizer = load_tokenizer(tokenizer_path, cfg.trust_remote_code, "right")
     return RewardScorer(model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size)
+
+
+def check_engine(gen: GenerationSection, recipe: Recipe) -> None:
+    """What `gen.backend` needs, checked before any model loads (one line, exit 2)."""
+    if gen.backend == "vllm":
+        from rlhf_cli.vllm_engine import check_vllm
+
+        check_vllm(recipe.model.quantization.load_in_4bit)
+
+
+def generation_engine(
+    gen: GenerationSection, model: Any, tokenizer: Any, recipe: Recipe, scratch: Path
+) -> Generator:
+    """`gen.backend`'s engine answering as `model`: transformers `generate` on the model
+    itself, or a colocated vLLM engine built from its whole weights (before any sharding), seeded
+    from `run.seed`, its weights written under `scratch` while it loads them."""
+    if gen.backend == "hf":
+        return generator_for(model, tokenizer)
+    from rlhf_cli.vllm_engine import vllm_generator
+
+    max_len = recipe.data.prompts.max_tokens + gen.max_new_tokens
+    return vllm_generator(model, tokenizer, gen, max_len, recipe.run.seed, scratch)

@@ -16,115 +16,27 @@ mean moved grad_norm by 4% here).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-import yaml
+from launching import (
+    CONFIGS,
+    ENGINE_NAME,
+    SAMPLED,
+    assert_same_numbers,
+    launch,
+    recipe_in,
+    rows,
+)
 from rich.console import Console
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from rlhf_cli.recipe import load_recipe
 from rlhf_cli.rundir import RunDir
-from rlhf_cli.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
-CONFIGS = {
-    "ddp": "ddp_cpu_2proc.yaml",
-    "fsdp": "fsdp_cpu_2proc.yaml",
-    "zero2": "deepspeed_zero2_cpu_2proc.yaml",
-    "zero3": "deepspeed_zero3_cpu_2proc.yaml",
-}
-ENGINE_NAME = {"ddp": "ddp", "fsdp": "fsdp", "zero2": "deepspeed", "zero3": "deepspeed"}
-SAMPLED = {
-    "iterations": 2,
-    "batch_size": 8,
-    "mini_batch_size": 4,
-    "gradient_accumulation_steps": 2,
-    "ppo_epochs": 2,
-    "save_freq": 1,
-    "log_every": 1,
-    "generation": {"max_new_tokens": 16, "do_sample": True, "top_p": 0.9},
-}
-COMPARED = [
-    "env/reward_mean",
-    "env/reward_std",
-    "objective/kl",
-    "objective/entropy",
-    "ppo/loss/policy",
-    "ppo/loss/value",
-    "ppo/loss/total",
-    "ppo/policy/approxkl",
-    "grad_norm",
-    "ppo/val/explained_variance",
-    "ppo/returns/mean",
-    "response/length_mean",
-    "ppo/optimizer_steps",
-]
-AUDITED = ["audit/verbosity_score", "audit/repetition_score", "audit/avg_response_len"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(engine: str, folder: Path, *extra: str) -> RunDir:
-    """`accelerate launch` of `rlhf ppo` on two CPU processes in `folder`; the run it wrote."""
-    if engine.startswith("zero"):
-        pytest.importorskip("deepspeed")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch",
-           "--config_file", str(REPO / "recipes" / "accelerate" / CONFIGS[engine]),
-           "--main_process_port", str(_free_port()),
-           "-m", "rlhf_cli.cli", "ppo", "--recipe", str(folder / "recipe.yaml"), "--quiet",
-           *extra]  # fmt: skip
-    run = RunDir.for_recipe(load_recipe(folder / "recipe.yaml"))
-    for _attempt in range(2):  # torchrun rarely reports a failure after both ranks finished
-        # its own process group: a hang is killed with every process the launcher started
-        proc = subprocess.Popen(cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)  # fmt: skip
-        try:
-            out, err = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            raise AssertionError(f"{engine} hung for 300 s: {err[-3000:]}") from None
-        manifest = run.read_manifest("ppo")
-        if manifest and manifest["status"] == "completed":
-            return run
-    raise AssertionError(out[-3000:] + err[-3000:])
-
-
-def rows(run: RunDir) -> list[dict[str, Any]]:
-    return read_metrics(run.stage_dir("ppo") / "metrics.jsonl")
-
-
-def assert_same_numbers(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
-    assert [r["iteration"] for r in got] == [r["iteration"] for r in want]
-    for mine, theirs in zip(got, want, strict=True):
-        keys = COMPARED + (AUDITED if mine["iteration"] % 2 == 0 else [])
-        for key in keys:
-            assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-5, msg=f"{key} differs")
-
-
-def recipe_in(folder: Path, ppo_recipe, pipeline, small_recipe, ppo: dict[str, Any]) -> Path:
-    """The pipeline's runs copied into `folder` and a recipe with `ppo`, and the in-training
-    audit at iteration 2 (it runs on the gathered weights, on the main process)."""
-    ppo_recipe(pipeline, folder, small_recipe, ppo)
-    data = yaml.safe_load((folder / "recipe.yaml").read_text())
-    data["audit"]["every"] = 2
-    (folder / "recipe.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
-    return folder / "recipe.yaml"
 
 
 @pytest.fixture(scope="module")

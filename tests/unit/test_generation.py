@@ -152,7 +152,7 @@ def test_greedy_generation_is_the_argmax_of_the_training_forward(tiny_lm):
 
 
 @pytest.mark.parametrize("top_p, top_k", [(0.9, 0), (0.7, 20), (1.0, 0)])
-def test_sampler_logprobs_match_the_training_forward(tiny_lm, top_p, top_k):
+def test_sampler_logprobs_match_the_training_forward(tiny_lm, top_p, top_k, sampler_gap):
     """What the sampler drew each token from == what the loss computes (< 1e-4), even when
     the checkpoint's generation_config asks for a repetition penalty, top-k 7 and bans words."""
     tokenizer, model = tiny_lm
@@ -165,12 +165,7 @@ def test_sampler_logprobs_match_the_training_forward(tiny_lm, top_p, top_k):
     gen = GenerationSection(max_new_tokens=12, temperature=0.8, top_p=top_p, top_k=top_k)
     torch.manual_seed(3)
     out = generator_for(model, tokenizer).generate(queries, gen)
-    width = out.response_ids.shape[1]
-    with torch.no_grad():
-        logits = response_logits(model, out.input_ids, out.attention_mask, width)
-    logprobs = response_logprobs(logits, out.response_ids, gen)
-    diff = (out.sampler_logprobs - logprobs).abs()[out.response_mask]
-    assert diff.max() < 1e-4
+    assert sampler_gap(model, out, gen) < 1e-4
     assert model.generation_config.repetition_penalty == 3.0  # the model's own config is kept
 
 
@@ -245,7 +240,7 @@ def test_gumbel_argmax_draws_from_the_softmax():
     assert ((freq - probs).abs() <= 4 * (probs * (1 - probs) / n).sqrt() + 1e-12).all()
 
 
-def test_seeded_rows_sample_alike_in_any_batch(tiny_lm):
+def test_seeded_rows_sample_alike_in_any_batch(tiny_lm, sampler_gap):
     """A row's response depends on its seed alone: not on the rows beside it, the padding they
     force, or the torch RNG; its recorded log-probs still match the training forward."""
     tokenizer, model = tiny_lm
@@ -266,10 +261,4 @@ def test_seeded_rows_sample_alike_in_any_batch(tiny_lm):
     assert tokens(swapped, 0) == tokens(together, 2) and tokens(swapped, 1) == tokens(together, 1)
     other = generator.generate([q[0]] * 4, gen, seeds=[1, 2, 3, 4])
     assert len({tuple(tokens(other, r)) for r in range(4)}) > 1  # seeds do change the draw
-    with torch.no_grad():
-        logits = response_logits(
-            model, together.input_ids, together.attention_mask, together.response_ids.shape[1]
-        )
-    logprobs = response_logprobs(logits, together.response_ids, gen)
-    diff = (together.sampler_logprobs - logprobs).abs()[together.response_mask]
-    assert diff.max() < 1e-4
+    assert sampler_gap(model, together, gen) < 1e-4

@@ -192,7 +192,7 @@ def test_minibatches_are_the_same_global_rows_for_any_number_of_processes(batch,
 
 
 def test_row_seeds_differ_by_row_and_iteration_and_fit_int64():
-    from rlhf_cli.ppo.trainer import row_seed
+    from rlhf_cli.generation import row_seed
 
     seeds = {row_seed(42, it, row) for it in range(1, 50) for row in range(64)}
     assert len(seeds) == 49 * 64

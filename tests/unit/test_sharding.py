@@ -172,7 +172,23 @@ def test_the_vllm_engine_settings_follow_the_recipe_on_cuda_only():
         "max_model_len": 256,
         "logprobs_mode": "processed_logprobs",
         "seed": 3,
+        "tensor_parallel_size": 1,
     }
     gpu = engine_settings(gen, on_gpu=True, max_len=256, seed=3)
     assert gpu["dtype"] == "bfloat16" and not gpu["enforce_eager"]
     assert (gpu["gpu_memory_utilization"], gpu["enable_sleep_mode"]) == (0.45, True)
+    # under a launcher the engines join its processes, in groups of the tensor-parallel size
+    tp = GenerationSection(vllm_tensor_parallel_size=2)
+    launched = engine_settings(tp, on_gpu=True, max_len=256, seed=3, world=4)
+    assert launched["distributed_executor_backend"] == "external_launcher"
+    assert launched["tensor_parallel_size"] == 2
+    assert "distributed_executor_backend" not in gpu
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_processes_is_refused():
+    from rlhf_cli.errors import ModelLoadError
+    from rlhf_cli.vllm_engine import tensor_parallel_group
+
+    with pytest.raises(ModelLoadError, match="vllm_tensor_parallel_size: 2 does not divide the 3"):
+        tensor_parallel_group(3, 2)
+    assert tensor_parallel_group(1, 1) is None and tensor_parallel_group(4, 1) is None
