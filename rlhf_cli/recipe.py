@@ -192,6 +192,14 @@ class PromptSource(_Source):
     max_tokens: int = _f(
         256, "Truncate tokenised prompts to this many tokens (keeping the end).", gt=0
     )
+    eval_fraction: float = _f(
+        0.0,
+        "Share of the prompts held out of PPO training (a fixed-seed draw: the same for every "
+        "run.seed) for the held-out evaluation: every `ppo.eval_every` iterations and at the "
+        "end (0: none).",
+        ge=0.0,
+        lt=0.5,
+    )
 
 
 class DataSection(Section):
@@ -328,6 +336,29 @@ class PpoSection(Section):
     horizon: int = _f(10000, "Adaptive controller horizon.", gt=0)
     gamma: float = _f(1.0, "Discount (1.0: no discounting inside a response).", ge=0.0, le=1.0)
     lam: float = _f(0.95, "GAE λ.", ge=0.0, le=1.0)
+    advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_pp"] = _f(
+        "gae",
+        "`gae`: PPO with a critic (value head); critic-free, no value model built: `rloo` "
+        "(leave-one-out baseline over a prompt's completions), `grpo` (group-normalised "
+        "scores), `reinforce_pp` (REINFORCE++: KL-shaped token returns whitened over the batch).",
+    )
+    num_generations: int = _f(
+        1,
+        "Completions per prompt in a batch (`batch_size` counts completions; rloo and grpo "
+        "need at least 2).",
+        ge=1,
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = _f(
+        "k1",
+        "Per-token estimator of KL(π‖π_ref) used for the penalty (Schulman's k1 = log π/π_ref, "
+        "k2 = ½(log π/π_ref)², k3 = π_ref/π − 1 − log π_ref/π). `objective/kl` is k1 whatever "
+        "this is.",
+    )
+    kl_in: Literal["reward", "loss"] = _f(
+        "reward",
+        "Where β·KL goes: subtracted from the per-token rewards (Ziegler et al., InstructGPT), "
+        "or added to the policy loss as a differentiable term (GRPO, usually with k3).",
+    )
     cliprange: float = _f(0.2, "ε of the clipped surrogate.", gt=0.0)
     cliprange_value: float = _f(0.2, "Value clipping range.", gt=0.0)
     vf_coef: float = _f(0.1, "c₁: weight of the value loss.", ge=0.0)
@@ -364,6 +395,12 @@ class PpoSection(Section):
         False,
         "Silence the warning about PPO prompts that were in the reward model's training pairs.",
     )
+    eval_every: int | None = _f(
+        None,
+        "Evaluate on the held-out prompts (`data.prompts.eval_fraction`) every N iterations; "
+        "they are evaluated at the end in any case.",
+        gt=0,
+    )
     save_freq: int = _f(50, "Checkpoint every N iterations (and at the end).", gt=0)
     log_every: int = _f(25, "Console health block and samples.jsonl every N iterations.", gt=0)
     generation: GenerationSection = _f(GenerationSection(), "Rollout generation settings.")
@@ -380,6 +417,16 @@ class PpoSection(Section):
             raise ValueError(
                 f"gradient_accumulation_steps: mini_batch_size × gradient_accumulation_steps "
                 f"({step}) must divide ppo.batch_size ({self.batch_size})"
+            )
+        if self.batch_size % self.num_generations:
+            raise ValueError(
+                f"num_generations: {self.num_generations} must divide "
+                f"ppo.batch_size ({self.batch_size}), which counts completions"
+            )
+        if self.advantage_estimator in ("rloo", "grpo") and self.num_generations < 2:
+            raise ValueError(
+                f"num_generations: {self.advantage_estimator} compares each completion with "
+                "the prompt's others; set ppo.num_generations to 2 or more"
             )
         return self
 
@@ -445,6 +492,11 @@ class Recipe(Section):
             )
         if self.data.prompts is None:
             raise ValueError("data: data.prompts is required for PPO")
+        if self.ppo.eval_every is not None and self.data.prompts.eval_fraction == 0:
+            raise ValueError(
+                "ppo: ppo.eval_every is set but no prompts are held out: set "
+                "data.prompts.eval_fraction (e.g. 0.1)"
+            )
         return self
 
     def sha256(self) -> str:

@@ -27,10 +27,10 @@ from rlhf_cli.scoring import RewardScorer
 ACTION = "Increase KL coefficient (β) by {step} and recheck in 25 iterations."
 
 
-def _sample(
+def sample_answers(
     generator: Generator,
     queries: list[list[int]],
-    cfg: AuditSection,
+    gen: GenerationSection,
     batch_size: int,
     seed: int,
 ) -> list[Generations]:
@@ -39,16 +39,14 @@ def _sample(
     seeds = [row_seed(seed, 0, row) for row in range(len(queries))]
     return [
         generator.generate(
-            queries[start : start + batch_size],
-            cfg.generation,
-            seeds[start : start + batch_size],
+            queries[start : start + batch_size], gen, seeds[start : start + batch_size]
         )
         for start in range(0, len(queries), batch_size)
     ]
 
 
 @torch.inference_mode()
-def _kl_to_reference(
+def kl_to_reference(
     model: Any, reference: Reference, batches: list[Generations], gen: GenerationSection
 ) -> float:
     """Mean over responses of Σ_t (log π − log π_ref) on the policy's own samples, both under
@@ -89,17 +87,17 @@ def audit_policy(
     queries = tokenize_prompts(tokenizer, asked, chat, max_tokens)
     generator = generator or generator_for(model, tokenizer)
     generator.sync(model)
-    batches = _sample(generator, queries, cfg, batch_size, seed)
+    batches = sample_answers(generator, queries, cfg.generation, batch_size, seed)
     responses = [text for answers in batches for text in answers.texts]
     report = audit_responses(responses, cfg)
     if scorer is not None:
         report["reward_policy_mean"] = float(scorer.score(asked, responses)[0].mean())
     if reference is not None:
-        report["kl_to_reference"] = _kl_to_reference(model, reference, batches, cfg.generation)
+        report["kl_to_reference"] = kl_to_reference(model, reference, batches, cfg.generation)
         if scorer is not None:
             with reference.model() as ref:
                 generator.sync(ref)
-                ref_batches = _sample(generator, queries, cfg, batch_size, seed)
+                ref_batches = sample_answers(generator, queries, cfg.generation, batch_size, seed)
             ref_responses = [text for answers in ref_batches for text in answers.texts]
             report["reward_reference_mean"] = float(scorer.score(asked, ref_responses)[0].mean())
     report["samples"] = [
@@ -107,6 +105,46 @@ def audit_policy(
     ]
     model.train(was_training)
     return report
+
+
+def heldout_eval(
+    model: Any,
+    prompts: list[str],
+    queries: list[list[int]],
+    gen: GenerationSection,
+    *,
+    seed: int,
+    reference: Reference,
+    scorer: RewardScorer,
+    generator: Generator,
+    reference_scores: torch.Tensor | None = None,
+    batch_size: int = 16,
+) -> tuple[dict[str, float], torch.Tensor]:
+    """The policy's answers to held-out `prompts` (each row seeded) scored by the reward model
+    against the reference's answers to the same prompts from the same seeds: `eval/*` metrics,
+    and the reference's scores (pass them back in: the reference does not change)."""
+    was_training = model.training
+    model.eval()
+    generator.sync(model)
+    batches = sample_answers(generator, queries, gen, batch_size, seed)
+    scores = scorer.score(prompts, [t for b in batches for t in b.texts])[0].float()
+    if reference_scores is None:
+        with reference.model() as ref:
+            generator.sync(ref)
+            ref_batches = sample_answers(generator, queries, gen, batch_size, seed)
+        ref_texts = [t for b in ref_batches for t in b.texts]
+        reference_scores = scorer.score(prompts, ref_texts)[0].float()
+    wins = (scores > reference_scores).float() + 0.5 * (scores == reference_scores).float()
+    lengths = torch.cat([b.response_mask.sum(1).float() for b in batches])
+    metrics = {
+        "eval/reward_mean": float(scores.mean()),
+        "eval/reward_reference_mean": float(reference_scores.mean()),
+        "eval/win_rate": float(wins.mean()),
+        "eval/kl": kl_to_reference(model, reference, batches, gen),
+        "eval/length_mean": float(lengths.mean()),
+    }
+    model.train(was_training)
+    return metrics, reference_scores
 
 
 def render_report(report: dict[str, Any], cfg: AuditSection, console: Console, title: str) -> None:

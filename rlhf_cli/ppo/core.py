@@ -182,34 +182,134 @@ def _last_valid_index(mask: Tensor) -> tuple[Tensor, Tensor]:
     return idx.clamp(min=0), has_any
 
 
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str) -> Tensor:
+    """Per-token estimates of KL(π‖π_ref) on tokens sampled from π. [Schulman 2020,
+    "Approximating KL divergence"; GRPO (Shao et al. 2024) uses k3 in its loss]
+
+    With ``log r = ref_logprobs - logprobs`` (r = π_ref/π at the sampled token)::
+
+        k1 = -log r                 unbiased, can be negative per token
+        k2 = (log r)^2 / 2          biased, low variance, >= 0
+        k3 = (r - 1) - log r        unbiased, >= 0
+
+    Differentiable in both arguments (the loss placement backpropagates through it).
+
+    Args:
+        logprobs: ``(b, response_len)`` log-probs of the policy.
+        ref_logprobs: ``(b, response_len)`` log-probs of the reference.
+        mask: ``(b, response_len)`` bool or 0/1, True = valid.
+        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+        ``(b, response_len)``, 0 at masked positions.
+    """
+    log_r = ref_logprobs - logprobs
+    if estimator == "k1":
+        kl = -log_r
+    elif estimator == "k2":
+        kl = 0.5 * log_r.square()
+    elif estimator == "k3":
+        kl = torch.expm1(log_r) - log_r
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}")
+    return torch.where(_bool_mask(mask), kl, torch.zeros_like(kl))
+
+
 def kl_penalized_rewards(
-    scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kl_coef: float
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    kl_coef: float,
+    estimator: str = "k1",
 ) -> tuple[Tensor, Tensor]:
     """Per-token rewards: KL penalty plus the score on the last token. [Ziegler, Huang, TRL]
 
-    ``kl = (logprobs - ref_logprobs) * mask`` (the k1 estimator, per token);
-    ``rewards = -kl_coef * kl`` and ``scores[i]`` is added at the last valid token of
-    row i (found as the max index where the mask is True). An all-masked row gets
-    no score.
+    ``rewards = -kl_coef * kl_estimate(..., estimator)`` and ``scores[i]`` is added at the
+    last valid token of row i (found as the max index where the mask is True). An all-masked
+    row gets no score. The returned ``kl`` is the k1 estimate (``logprobs - ref_logprobs``),
+    whatever penalises: its sum per response is what ``objective/kl`` reports.
 
     Args:
         scores: ``(b,)`` reward-model scores, one per response.
         logprobs: ``(b, response_len)`` log-probs of the policy.
         ref_logprobs: ``(b, response_len)`` log-probs of the reference model.
         mask: ``(b, response_len)`` bool or 0/1, True = valid.
-        kl_coef: KL penalty coefficient beta.
+        kl_coef: KL penalty coefficient beta (0: the scores alone).
+        estimator: the penalty's per-token estimator (``kl_estimate``).
 
     Returns:
         ``(rewards, kl)``, both ``(b, response_len)``, 0 at masked positions.
     """
     m = _bool_mask(mask)
-    diff = logprobs - ref_logprobs
-    kl = torch.where(m, diff, torch.zeros_like(diff))
-    rewards = -kl_coef * kl
+    kl = kl_estimate(logprobs, ref_logprobs, m, "k1")
+    penalty = kl if estimator == "k1" else kl_estimate(logprobs, ref_logprobs, m, estimator)
+    rewards = -kl_coef * penalty
     idx, has_any = _last_valid_index(m)
     bonus = torch.where(has_any, scores.to(rewards.dtype), torch.zeros_like(rewards[:, 0]))
     rewards = rewards.scatter_add(1, idx.unsqueeze(1), bonus.unsqueeze(1))
     return rewards, kl
+
+
+def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """RLOO: each completion's reward minus the mean reward of the other completions of its
+    prompt. [Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization
+    for Learning from Human Feedback in LLMs", eq. 5; TRL ``RLOOTrainer``]
+
+    ``A_i = R_i - (sum_j R_j - R_i) / (k - 1)`` over the group of k = ``group_size``.
+
+    Args:
+        rewards: ``(n,)`` sequence rewards, groups of ``group_size`` consecutive rows.
+        group_size: completions per prompt, at least 2.
+
+    Returns:
+        ``(n,)`` advantages.
+    """
+    grouped = rewards.view(-1, group_size)
+    baseline = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - baseline).view(-1)
+
+
+def group_normalized_advantages(rewards: Tensor, group_size: int, eps: float = 1e-4) -> Tensor:
+    """GRPO: each completion's reward standardised within its prompt's group. [Shao et al.
+    2024, "DeepSeekMath", sec. 4.1.2 (outcome supervision); TRL ``GRPOTrainer``]
+
+    ``A_i = (R_i - mean(R_group)) / (std(R_group) + eps)``, the unbiased std as TRL takes it.
+
+    Args:
+        rewards: ``(n,)`` sequence rewards, groups of ``group_size`` consecutive rows.
+        group_size: completions per prompt, at least 2.
+        eps: keeps a group of equal rewards at advantage 0.
+
+    Returns:
+        ``(n,)`` advantages.
+    """
+    grouped = rewards.view(-1, group_size)
+    mean, std = grouped.mean(1, keepdim=True), grouped.std(1, keepdim=True)
+    return ((grouped - mean) / (std + eps)).view(-1)
+
+
+def reinforce_pp_advantages(
+    rewards: Tensor, mask: Tensor, gamma: float, reduce_sum: Reducer = None
+) -> Tensor:
+    """REINFORCE++: per-token returns of the KL-shaped rewards, whitened over the batch; no
+    critic. [Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language
+    Models", eq. 6-8; OpenRLHF ``advantage_estimator=reinforce``]
+
+    ``G_t = sum_{s>=t} gamma^(s-t) r_s`` (GAE with V = 0 and lambda = 1), then
+    ``A = (G - mean) / std`` over every valid token of the (global) batch.
+
+    Args:
+        rewards: ``(b, response_len)`` per-token rewards (``kl_penalized_rewards``).
+        mask: ``(b, response_len)`` bool or 0/1, True = valid.
+        gamma: discount factor.
+        reduce_sum: sums over every process: whiten with the global batch's statistics.
+
+    Returns:
+        ``(b, response_len)`` advantages, 0 at masked positions.
+    """
+    returns, _ = compute_gae(torch.zeros_like(rewards), rewards, mask, gamma, 1.0)
+    return masked_whiten(returns, mask, reduce_sum=reduce_sum)
 
 
 # --------------------------------------------------------------------------- losses

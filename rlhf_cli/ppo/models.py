@@ -4,6 +4,7 @@
 gives log-probs and values. `separate` is its own backbone + head, initialised from the policy or
 from the reward model (when it shares the policy's tokenizer: an RM-initialised critic starts with
 a far lower value loss). Value heads start at zero, so the first values are 0 rather than noise.
+The critic-free estimators (rloo, grpo, reinforce_pp) build neither: the actor is the policy alone.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class ValueModel(nn.Module):
 class PolicyAndValue(nn.Module):
     """Actor + critic. `forward` returns, for the last `response_width` tokens of each row, the
     logits that predict them (b, r, vocab) and the values of the states they are taken in (b, r):
-    position p-1+i predicts response token i. Only those logits are materialised."""
+    position p-1+i predicts response token i. Only those logits are materialised. Without a
+    value head or critic (critic-free estimators) the values are zeros and nothing else runs."""
 
     def __init__(
         self,
@@ -49,15 +51,19 @@ class PolicyAndValue(nn.Module):
         critic: ValueModel | None = None,
     ):
         super().__init__()
-        if (value_head is None) == (critic is None):
-            raise ValueError("give exactly one of value_head (shared) or critic (separate)")
+        if value_head is not None and critic is not None:
+            raise ValueError("give at most one of value_head (shared) or critic (separate)")
         self.policy, self.value_head, self.critic = policy, value_head, critic
+
+    @property
+    def has_values(self) -> bool:
+        return self.value_head is not None or self.critic is not None
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, response_width: int
     ) -> tuple[Tensor, Tensor]:
         position_ids = position_ids_from(attention_mask)
-        shared = self.critic is None
+        shared = self.value_head is not None
         out = self.policy(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -70,15 +76,20 @@ class PolicyAndValue(nn.Module):
         if shared:
             hidden = out.hidden_states[-1][:, states]
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
-        else:
+        elif self.critic is not None:
             values = self.critic(input_ids, attention_mask, position_ids)[:, states]
+        else:
+            values = out.logits.new_zeros(out.logits.shape[:2])[:, :-1]
         return out.logits[:, :-1], values.float()
 
     def value_state_dict(self) -> dict[str, Tensor]:
         """What the value side trains: the shared head, or the critic's trained weights (its
-        LoRA and head, or all of it): a frozen (4-bit) critic base is never written."""
+        LoRA and head, or all of it): a frozen (4-bit) critic base is never written. Empty
+        without a value model."""
         # parameters as the module holds them now (whole inside a gather; state_dict() would
         # give FSDP2's shards), copied (not views of a gather buffer)
+        if not self.has_values:
+            return {}
         if self.critic is None:
             items = self.value_head.named_parameters()
         else:
@@ -87,8 +98,10 @@ class PolicyAndValue(nn.Module):
 
     def load_value_state_dict(self, state: dict[str, Tensor]) -> None:
         """Restore `value_state_dict`'s weights; a state missing some raises StageError."""
-        module = self.value_head if self.critic is None else self.critic
         expected = set(self.value_state_dict())
+        if not expected:
+            return
+        module = self.value_head if self.critic is None else self.critic
         missing = sorted(expected - state.keys())
         if missing:
             raise StageError(

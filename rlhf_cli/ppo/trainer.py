@@ -64,6 +64,7 @@ class PPOContext:
     audit: Callable[[PolicyAndValue], dict[str, Any]] | None = None  # on the whole actor
     audit_every: int | None = None
     audit_kl_step: float = 0.0
+    evaluate: Callable[[PolicyAndValue], dict[str, float]] | None = None  # held-out prompts
 
     @property
     def unwrapped(self) -> PolicyAndValue:
@@ -74,13 +75,15 @@ class PPOContext:
 
 
 def sample_batch(ctx: PPOContext) -> list[int]:
-    """This process's share of `batch_size` prompt indices (same draw on every process)."""
-    acc = ctx.accelerator
-    n = ctx.cfg.batch_size
+    """This process's share of `batch_size` prompt indices (same draw on every process): with
+    `num_generations` k, batch_size / k prompts, each on k consecutive rows (a group)."""
+    acc, k = ctx.accelerator, ctx.cfg.num_generations
+    n = ctx.cfg.batch_size // k
     draws = []
     while len(draws) < n:  # epochs over the prompt pool when it is smaller than a batch
         draws.extend(torch.randperm(len(ctx.prompts), generator=ctx.sampler).tolist())
-    return draws[:n][acc.process_index :: acc.num_processes]
+    rows = [i for i in draws[:n] for _ in range(k)]
+    return rows[acc.process_index :: acc.num_processes]
 
 
 def global_sum(acc: Any) -> core.Reducer:
@@ -91,19 +94,59 @@ def global_sum(acc: Any) -> core.Reducer:
     return lambda t: acc.reduce(t.to(acc.device).contiguous(), "sum").to(t.device)
 
 
+GlobalRows = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def global_rows(acc: Any) -> GlobalRows:
+    """`apply(fn, local)`: `fn` on the global batch's rows in order (this process holds rows
+    rank, rank + world, ...), and this process's rows of the result: how a group statistic
+    sees every member of a group, wherever it was generated."""
+    world, rank = acc.num_processes, acc.process_index
+
+    def apply(fn: Callable[[torch.Tensor], torch.Tensor], local: torch.Tensor) -> torch.Tensor:
+        if world == 1:
+            return fn(local)
+        gathered = acc.gather(local.to(acc.device).contiguous()).view(world, -1)
+        out = fn(gathered.t().reshape(-1)).view(-1, world)
+        return out[:, rank].to(local.device)
+
+    return apply
+
+
 def advantages_of(
-    rollout: Rollout, kl_coef: float, cfg: PpoSection, reduce_sum: core.Reducer = None
+    rollout: Rollout,
+    kl_coef: float,
+    cfg: PpoSection,
+    reduce_sum: core.Reducer = None,
+    across: GlobalRows = lambda fn, x: fn(x),
 ) -> tuple[torch.Tensor, ...]:
-    """KL-shaped per-token rewards → GAE → whitened advantages (Huang et al. details 5-7),
-    whitened over the global batch when `reduce_sum` sums over processes."""
+    """Per-token rewards (the score on the last token, minus β × the KL estimate per token when
+    `kl_in: reward`), then `advantage_estimator`'s advantages: GAE on the critic's values, then
+    whitened (Huang et al. details 5-7); REINFORCE++'s whitened returns; RLOO's or GRPO's
+    group advantage of each response's summed reward, on all its tokens. Statistics are the
+    global batch's (`reduce_sum` sums over processes, `across` sees every row). Returns
+    (rewards, k1 KL per token, advantages, returns); returns are 0 without a critic."""
     mask = rollout.response_mask
+    beta = kl_coef if cfg.kl_in == "reward" else 0.0
     rewards, kl = core.kl_penalized_rewards(
-        rollout.scores, rollout.logprobs, rollout.ref_logprobs, mask, kl_coef
+        rollout.scores, rollout.logprobs, rollout.ref_logprobs, mask, beta, cfg.kl_estimator
     )
     if cfg.whiten_rewards:
         rewards = core.masked_whiten(rewards, mask, shift_mean=False, reduce_sum=reduce_sum)
-    advantages, returns = core.compute_gae(rollout.values, rewards, mask, cfg.gamma, cfg.lam)
-    return rewards, kl, core.masked_whiten(advantages, mask, reduce_sum=reduce_sum), returns
+    no_returns = torch.zeros_like(rewards)
+    if cfg.advantage_estimator == "gae":
+        advantages, returns = core.compute_gae(rollout.values, rewards, mask, cfg.gamma, cfg.lam)
+        return rewards, kl, core.masked_whiten(advantages, mask, reduce_sum=reduce_sum), returns
+    if cfg.advantage_estimator == "reinforce_pp":
+        advantages = core.reinforce_pp_advantages(rewards, mask, cfg.gamma, reduce_sum)
+        return rewards, kl, advantages, no_returns
+    group = (
+        core.leave_one_out_advantages
+        if cfg.advantage_estimator == "rloo"
+        else core.group_normalized_advantages
+    )
+    per_response = across(lambda r: group(r, cfg.num_generations), rewards.sum(1))
+    return rewards, kl, per_response[:, None] * mask, no_returns
 
 
 def minibatch_loss(
@@ -113,9 +156,12 @@ def minibatch_loss(
     idx: torch.Tensor,
     advantages: torch.Tensor,
     returns: torch.Tensor,
+    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The PPO loss of rollouts `idx` (b_mb of them) under the current policy, and its parts,
-    each a mean over this process's response tokens.
+    each a mean over this process's response tokens: the clipped surrogate, the clipped value
+    loss (with a critic), the entropy bonus, and with `kl_in: loss` β × the KL estimate to the
+    reference (differentiable, GRPO's placement).
 
     Log-probs are those of the sampled distribution (generation.response_logprobs). The entropy
     bonus stays out of the autograd graph when its coefficient is 0: at a 32k vocabulary it
@@ -131,22 +177,28 @@ def minibatch_loss(
     pg_loss, clipfrac = core.ppo_policy_loss(
         logprobs, old, advantages[idx], mask, cfg.cliprange, weights
     )
-    vf_loss, vf_clipfrac = core.ppo_value_loss(
-        values, rollout.values[idx], returns[idx], mask, cfg.cliprange_value
-    )
     with nullcontext() if cfg.entropy_coef > 0 else torch.no_grad():
         scaled = logits.float() / score_temperature(cfg.generation)  # the full distribution
         entropy = core.masked_mean(core.entropy_from_logits(scaled), mask)
-    loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy
+    loss = pg_loss - cfg.entropy_coef * entropy
     parts = {
         "ppo/loss/policy": pg_loss,
-        "ppo/loss/value": vf_loss,
-        "ppo/loss/total": loss,
         "objective/clipfrac": clipfrac,
         "ppo/policy/entropy": entropy,
-        "ppo/policy/approxkl": core.approx_kl(logprobs, rollout.logprobs[idx], mask),
-        "ppo/val/clipfrac": vf_clipfrac,
+        "ppo/policy/approxkl": core.approx_kl(logprobs, old, mask),
     }
+    if cfg.advantage_estimator == "gae":
+        vf_loss, parts["ppo/val/clipfrac"] = core.ppo_value_loss(
+            values, rollout.values[idx], returns[idx], mask, cfg.cliprange_value
+        )
+        loss = loss + cfg.vf_coef * vf_loss
+        parts["ppo/loss/value"] = vf_loss
+    if cfg.kl_in == "loss":
+        ref = rollout.ref_logprobs[idx]
+        kl_loss = core.masked_mean(core.kl_estimate(logprobs, ref, mask, cfg.kl_estimator), mask)
+        loss = loss + kl_coef * kl_loss
+        parts["ppo/loss/kl"] = kl_loss
+    parts["ppo/loss/total"] = loss
     return loss, parts
 
 
@@ -184,7 +236,11 @@ def token_share(acc: Any, loss: torch.Tensor, mask: torch.Tensor) -> tuple[float
 
 
 def ppo_update(
-    ctx: PPOContext, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor
+    ctx: PPOContext,
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    kl_coef: float = 0.0,
 ) -> dict[str, float]:
     """`ppo_epochs` passes over shuffled mini-batches; one optimizer step per
     `gradient_accumulation_steps` mini-batches (accelerate's `accumulate`, which drives
@@ -203,7 +259,7 @@ def ppo_update(
         )
         for idx in shares:
             with acc.accumulate(actor):
-                loss, parts = minibatch_loss(cfg, actor, rollout, idx, advantages, returns)
+                loss, parts = minibatch_loss(cfg, actor, rollout, idx, advantages, returns, kl_coef)
                 share, finite = token_share(acc, loss, rollout.response_mask[idx])
                 if not finite:  # every process agrees, or the collectives would hang
                     skipped += 1
@@ -257,17 +313,20 @@ def iteration_metrics(
         "ppo/mean_non_score_reward": _gather_mean_std(
             acc, (rewards.sum(1) - rollout.scores).detach()
         )[0],
-        "ppo/val/explained_variance": float(
-            core.explained_variance(rollout.values, returns, mask, reduce_sum)
-        ),
-        "ppo/val/mean": float(core.masked_mean(rollout.values, mask, reduce_sum=reduce_sum)),
-        "ppo/returns/mean": float(core.masked_mean(returns, mask, reduce_sum=reduce_sum)),
         "response/length_mean": _gather_mean_std(acc, lengths)[0],
         "response/ended_frac": _gather_mean_std(acc, rollout.ended.float())[0],
         "reward/truncated_inputs": float(
             acc.reduce(torch.tensor(float(rollout.n_truncated), device=acc.device), "sum")
         ),
     }
+    if ctx.cfg.advantage_estimator == "gae":  # the critic's
+        metrics["ppo/val/explained_variance"] = float(
+            core.explained_variance(rollout.values, returns, mask, reduce_sum)
+        )
+        metrics["ppo/val/mean"] = float(
+            core.masked_mean(rollout.values, mask, reduce_sum=reduce_sum)
+        )
+        metrics["ppo/returns/mean"] = float(core.masked_mean(returns, mask, reduce_sum=reduce_sum))
     for key, value in stats.items():
         metrics[key] = float(acc.reduce(torch.tensor(value, device=acc.device), "mean"))
     metrics["objective/entropy"] = metrics.pop("ppo/policy/entropy", 0.0)
@@ -380,10 +439,12 @@ def run_iteration(
         )
     # 2. Advantages from KL-shaped rewards (β as it stands at this iteration).
     kl_coef = ctx.kl_ctl.value
-    rewards, kl, advantages, returns = advantages_of(rollout, kl_coef, cfg, global_sum(acc))
+    rewards, kl, advantages, returns = advantages_of(
+        rollout, kl_coef, cfg, global_sum(acc), global_rows(acc)
+    )
     # 3. Update: K epochs over shuffled mini-batches.
     t_update = time.perf_counter()
-    stats = ppo_update(ctx, rollout, advantages, returns)
+    stats = ppo_update(ctx, rollout, advantages, returns, kl_coef)
     update_s = time.perf_counter() - t_update
     # 4. β moves once per iteration, toward the target KL.
     metrics = iteration_metrics(ctx, rollout, kl, rewards, returns, kl_coef, stats)
@@ -438,6 +499,7 @@ def train(ctx: PPOContext, start_iteration: int = 0) -> dict[str, Any]:
             metrics, rollout, kl = run_iteration(ctx, iteration)
             nonfinite_streak = nonfinite_streak + 1 if not _finite(metrics) else 0
             metrics.update(_audit_metrics(ctx, iteration))
+            metrics.update(_eval_metrics(ctx, iteration))
             ctx.history.append(metrics)
             if acc.is_main_process:
                 record_iteration(ctx, iteration, metrics, rollout, kl)
@@ -496,6 +558,17 @@ def _audit_metrics(ctx: PPOContext, iteration: int) -> dict[str, float]:
     return {**out, "audit/hacking_detected": float(flagged_any)}
 
 
+def _eval_metrics(ctx: PPOContext, iteration: int) -> dict[str, float]:
+    """The held-out evaluation, every `ppo.eval_every` iterations and at the last one. Every
+    process evaluates (as the audit does); the main process's numbers are logged."""
+    every, last = ctx.cfg.eval_every, iteration == ctx.cfg.iterations
+    if ctx.evaluate is None or not (last or (every and iteration % every == 0)):
+        return {}
+    with ctx.accelerator.autocast(), ctx.engine.gathered(ctx.actor) as actor:
+        metrics = ctx.evaluate(actor)
+    return metrics if ctx.accelerator.is_main_process else {}
+
+
 def _finite(metrics: dict[str, float]) -> bool:
     keys = ("env/reward_mean", "objective/kl", "ppo/loss/total")
     return all(torch.isfinite(torch.tensor(metrics.get(k, 0.0))) for k in keys)
@@ -516,13 +589,16 @@ def _write_samples(ctx: PPOContext, iteration: int, rollout: Rollout, kl: torch.
 
 
 def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
-    """First-fifth vs last-fifth mean reward, and the final KL and β."""
+    """First-fifth vs last-fifth mean reward, the final KL and β, and the last held-out
+    evaluation's `eval/*` numbers."""
     if not history:
         return {}
     fifth = max(1, len(history) // 5)
     first = [h["env/reward_mean"] for h in history[:fifth]]
     last = [h["env/reward_mean"] for h in history[-fifth:]]
+    evals = [h for h in history if "eval/reward_mean" in h]
     return {
+        **({k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}),
         "iterations": history[-1]["iteration"],
         "reward_first_fifth": sum(first) / len(first),
         "reward_last_fifth": sum(last) / len(last),

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from safetensors.torch import save_file
 
-from rlhf_cli.data import audit_prompts, load_prompts
+from rlhf_cli.data import audit_prompts, load_prompts, split_heldout
 from rlhf_cli.errors import DataError, ModelLoadError, StageError
 from rlhf_cli.generation import Generator, tokenize_prompts
 from rlhf_cli.modeling import (
@@ -111,7 +111,7 @@ def setup(
     """Everything the loop needs, and the iteration to start after (0, or the checkpoint's)."""
     cfg, device, stage_dir = recipe.ppo, accelerator.device, run.stage_dir("ppo")
     # 1. Tokenizer, prompts, and the guide's "common mistakes" caught before training.
-    tokenizer, prompts, queries = prompt_inputs(recipe, run, sources, record, console)
+    tokenizer, (prompts, queries), heldout = prompt_inputs(recipe, run, sources, record, console)
 
     # 2. Models: frozen reward model, actor (policy + value), reference; the rollout engine.
     engine = engine_for(accelerator)
@@ -160,6 +160,7 @@ def setup(
         score_moments=score_moments(cfg, state),
         on_warning=record.warn,
         audit=_live_audit(recipe, tokenizer, reference, scorer, generator),
+        evaluate=_live_eval(recipe, heldout, reference, scorer, generator),
         audit_every=recipe.audit.every,
         audit_kl_step=recipe.audit.kl_coef_step,
         max_nonfinite=cfg.max_nonfinite,
@@ -169,21 +170,28 @@ def setup(
     return ctx, start
 
 
+Prompts = tuple[list[str], list[list[int]]]  # texts and their token ids
+
+
 def prompt_inputs(
     recipe: Recipe, run: RunDir, sources: PpoSources, record: StageRecord, console: Console
-) -> tuple[Any, list[str], list[list[int]]]:
-    """The policy tokenizer, the PPO prompts and their token ids; the guide's "common mistakes"
+) -> tuple[Any, Prompts, Prompts]:
+    """The policy tokenizer, the PPO training prompts and the held-out ones
+    (`data.prompts.eval_fraction`), each with their token ids; the guide's "common mistakes"
     about them are warned about (console and manifest)."""
     tokenizer = load_tokenizer(sources.tokenizer, recipe.model.trust_remote_code, "left")
-    prompts = load_prompts(recipe.data.prompts, cache_dir=run.path / ".cache")
+    source = recipe.data.prompts
+    prompts = load_prompts(source, cache_dir=run.path / ".cache")
     for warning in startup_warnings(recipe, run, prompts):
         record.warn(warning)
         console.print(f"[yellow]warning[/]: {escape(warning)}", highlight=False)
     chat = recipe.model.prompt_format == "chat"
+    train, heldout = split_heldout(prompts, source.eval_fraction)
+    record.manifest["prompts"] = {"train": len(train), "heldout": len(heldout)}
     return (
         tokenizer,
-        prompts,
-        tokenize_prompts(tokenizer, prompts, chat, recipe.data.prompts.max_tokens),
+        (train, tokenize_prompts(tokenizer, train, chat, source.max_tokens)),
+        (heldout, tokenize_prompts(tokenizer, heldout, chat, source.max_tokens)),
     )
 
 
@@ -202,11 +210,12 @@ def save(
     # the weights as the module holds them now (whole; state_dict() would give FSDP2's shards)
     actor.policy.save_pretrained(stage_dir / kind, state_dict=trainable_state(actor.policy))
     ctx.tokenizer.save_pretrained(stage_dir / "tokenizer")
-    save_file(actor.value_state_dict(), stage_dir / "value_head.safetensors")
+    outputs = {kind: kind, "tokenizer": "tokenizer"}
+    if actor.has_values:
+        save_file(actor.value_state_dict(), stage_dir / "value_head.safetensors")
+        outputs["value_head"] = "value_head.safetensors"
     record.manifest["outputs"] = {
-        kind: kind,
-        "tokenizer": "tokenizer",
-        "value_head": "value_head.safetensors",
+        **outputs,
         "metrics": "metrics.jsonl",
         "samples": "samples.jsonl",
         "checkpoints": "checkpoints",
@@ -294,6 +303,35 @@ def _live_audit(
     return audit
 
 
+def _live_eval(
+    recipe: Recipe, heldout: Prompts, reference: Reference, scorer: RewardScorer, generator: Any
+) -> Callable[[PolicyAndValue], dict[str, float]] | None:
+    """The held-out evaluation on the live policy (given whole), sampled by the rollout engine
+    with the audit's generation settings; the reference's scores are computed once."""
+    from rlhf_cli.audit.measure import heldout_eval
+
+    prompts, queries = heldout
+    if not prompts:
+        return None
+    kept: dict[str, torch.Tensor] = {}
+
+    def evaluate(actor: PolicyAndValue) -> dict[str, float]:
+        metrics, kept["reference"] = heldout_eval(
+            actor.policy,
+            prompts,
+            queries,
+            recipe.audit.generation,
+            seed=recipe.run.seed,
+            reference=reference,
+            scorer=scorer,
+            generator=generator,
+            reference_scores=kept.get("reference"),
+        )
+        return metrics
+
+    return evaluate
+
+
 def resume_point(stage_dir: Path) -> tuple[Path, list[str]]:
     """The newest whole checkpoint under `stage_dir/checkpoints` and a note for each newer,
     damaged one skipped; StageError when there is none."""
@@ -364,12 +402,15 @@ def build_actor(
     scorer: RewardScorer,
     tokenizer: Any,
 ) -> tuple[PolicyAndValue, Reference]:
-    """Policy (+ fresh LoRA), value head or critic, and the reference, dropout off. What trains
+    """Policy (+ fresh LoRA), value head or critic (`gae` only), and the reference, dropout off.
+    What trains
     keeps fp32 master weights (`make_trainable`); frozen weights keep the recipe's dtype. A
     critic from the reward model (`value_init: reward_model`) needs the policy's `tokenizer`."""
     cfg = recipe.ppo
     policy, reference = build_policy(recipe, sources, device)
-    if cfg.value_model == "shared":
+    if cfg.advantage_estimator != "gae":  # critic-free: no value model at all
+        actor = PolicyAndValue(policy)
+    elif cfg.value_model == "shared":
         actor = PolicyAndValue(policy, value_head=zero_value_head(hidden_size_of(policy)))
     else:
         from_reward = cfg.value_init == "reward_model"

@@ -18,13 +18,17 @@ from rlhf_cli.tracking import read_metrics
 
 # (title, metric keys); a panel whose first key has a healthy band in `health.RANGES` shades it
 PANELS = [
-    ("Reward (env/reward_mean)", ["env/reward_mean"]),
+    (
+        "Reward: training, and held-out (points)",
+        ["env/reward_mean", "eval/reward_mean", "eval/reward_reference_mean"],
+    ),
     ("KL to reference (nats)", ["objective/kl"]),
     ("KL coefficient β", ["objective/kl_coef"]),
     ("Policy and value loss", ["ppo/loss/policy", "ppo/loss/value"]),
     ("Entropy (per token)", ["objective/entropy"]),
     ("Clip fraction", ["objective/clipfrac"]),
     ("Response length (tokens)", ["response/length_mean"]),
+    ("Held-out win rate against the SFT policy", ["eval/win_rate"]),
 ]
 
 
@@ -54,9 +58,14 @@ def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     steps = [r["iteration"] for r in rows]
     audits = [r["iteration"] for r in rows if "audit/verbosity_score" in r]
     fig, axes = plt.subplots(4, 2, figsize=(12, 13))
-    for ax, (name, keys) in zip(axes.flat, PANELS, strict=False):
+    for ax, (name, keys) in zip(axes.flat, PANELS, strict=True):
         for key in keys:
-            ax.plot(steps, [r.get(key) for r in rows], label=key, linewidth=1.4)
+            points = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+            if not points:
+                continue
+            x, y = zip(*points, strict=True)
+            style = {"marker": "o", "markersize": 3} if len(x) < len(steps) else {}
+            ax.plot(x, y, label=key, linewidth=1.4, **style)
         health = RANGES.get(keys[0])
         if health is not None and health.band is not None:
             bottom, top = band_limits([r.get(keys[0]) for r in rows], health.band)
@@ -74,10 +83,7 @@ def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_title(name)
         ax.set_xlabel("iteration")
         ax.legend(fontsize=7)
-    axes.flat[-1].axis("off")
-    if audits:
-        axes.flat[-1].text(0.0, 0.5, "red dotted lines: in-training audits", fontsize=9)
-    fig.suptitle(title)
+    fig.suptitle(title + ("  (red dotted lines: in-training audits)" if audits else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -85,10 +85,12 @@ def test_ppo_learns_and_writes_the_contract(ppo_recipe, pipeline, tmp_path, smal
     assert last > first + 0.1, (first, last)
     assert all(torch.isfinite(torch.tensor(r["objective/kl"])) for r in rows)
     # the ratio and KL are those of the distribution sampled (top-p 0.9), every iteration:
-    # float noise typically; a token at the nucleus edge may flip in or out (seen up to 1e-3);
-    # a missing top-p renormalisation would be |log 0.9| ~ 0.1 on every token
+    # float noise typically; a token at the nucleus edge may flip in or out under that noise,
+    # moving one token's log-prob by about the edge token's share (seen up to 1e-3 with
+    # transformers 5.24, 3.4e-2 with 5.19); a missing top-p renormalisation would be
+    # |log 0.9| ~ 0.1 on every token, so the median tells
     mismatch = sorted(r["rollout/logprob_mismatch"] for r in rows)
-    assert mismatch[len(mismatch) // 2] < 1e-4 and mismatch[-1] < 1e-2
+    assert mismatch[len(mismatch) // 2] < 1e-4 and mismatch[-1] < 5e-2
     # β moves toward the target: down while KL is under it, up while over it
     mean_kl = sum(r["objective/kl"] for r in rows) / len(rows)
     beta_change = manifest["metrics"]["kl_coef_now"] - recipe.ppo.init_kl_coef

@@ -295,3 +295,16 @@ def test_split_eval_is_deterministic_per_seed() -> None:
 def test_split_eval_needs_two_rows() -> None:
     with pytest.raises(DataError, match="at least 2 rows"):
         split_eval([1], 0.1, seed=0)
+
+
+def test_held_out_prompts_are_a_fixed_share_the_same_for_every_run():
+    from rlhf_cli.data import split_heldout
+
+    prompts = [f"prompt number {i}" for i in range(50)]
+    train, held = split_heldout(prompts, 0.2)
+    assert len(held) == 10 and len(train) == 40 and not set(train) & set(held)
+    assert sorted(train + held) == sorted(prompts)
+    assert split_heldout(prompts, 0.2) == (train, held)  # no seed of the run enters the draw
+    assert held != prompts[-10:] and held != prompts[:10]  # a draw, not a slice
+    assert split_heldout(prompts, 0.0) == (prompts, [])
+    assert len(split_heldout(prompts[:3], 0.01)[1]) == 1  # at least one when asked

@@ -16,12 +16,16 @@ from rlhf_cli.ppo.core import (
     compute_gae,
     entropy_from_logits,
     explained_variance,
+    group_normalized_advantages,
+    kl_estimate,
     kl_penalized_rewards,
+    leave_one_out_advantages,
     masked_mean,
     masked_var,
     masked_whiten,
     ppo_policy_loss,
     ppo_value_loss,
+    reinforce_pp_advantages,
     tis_weights,
 )
 
@@ -473,3 +477,74 @@ def test_tis_weights_and_the_weighted_surrogate_by_hand():
     assert_close(loss, torch.tensor((-1.0 * 1.5 + 2.0 * math.exp(-1.0)) / 2))
     plain, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2)
     assert_close(plain, torch.tensor((-1.0 + 2.0) / 2))
+
+
+# --------------------------------------------------------------------------- estimators
+
+
+LOGP = t([math.log(0.5), math.log(0.25), 0.0])
+REF = t([math.log(0.25), math.log(0.5), 7.0])
+MASK3 = torch.tensor([[True, True, False]])
+
+
+@pytest.mark.parametrize(
+    "estimator, expected",
+    [
+        ("k1", [math.log(2), -math.log(2), 0.0]),  # log π/π_ref
+        ("k2", [0.5 * math.log(2) ** 2, 0.5 * math.log(2) ** 2, 0.0]),  # ½ (log r)²
+        ("k3", [0.5 - 1 + math.log(2), 2 - 1 - math.log(2), 0.0]),  # r - 1 - log r, r = 1/2, 2
+    ],
+)
+def test_kl_estimators_by_hand(estimator: str, expected: list[float]) -> None:
+    assert_close(kl_estimate(LOGP, REF, MASK3, estimator), t(expected))
+
+
+def test_k3_is_unbiased_and_k1_k3_agree_in_expectation() -> None:
+    """Sampled from π, E[k1] = E[k3] = KL(π‖π_ref) (Schulman 2020); k2 is the biased one."""
+    p = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    kl = float((p * (p.log() - q.double().log())).sum())
+    logp, logq = p.log()[None], q.double().log()[None]
+    ones = torch.ones(1, 3, dtype=torch.bool)
+    for estimator in ("k1", "k3"):
+        expectation = float((p * kl_estimate(logp, logq, ones, estimator)[0]).sum())
+        assert expectation == pytest.approx(kl, rel=1e-12)
+    assert float((p * kl_estimate(logp, logq, ones, "k2")[0]).sum()) != pytest.approx(kl)
+
+
+def test_kl_penalty_with_k3_and_objective_kl_stays_k1() -> None:
+    scores = t(1.0)[0]
+    rewards, kl = kl_penalized_rewards(scores, LOGP, REF, MASK3, 0.5, "k3")
+    k3 = [0.5 - 1 + math.log(2), 2 - 1 - math.log(2)]
+    assert_close(rewards, t([-0.5 * k3[0], -0.5 * k3[1] + 1.0, 0.0]))
+    assert_close(kl, t([math.log(2), -math.log(2), 0.0]))
+
+
+def test_rloo_leave_one_out_by_hand() -> None:
+    assert_close(leave_one_out_advantages(t(1.0, 2.0, 3.0, 6.0), 2), t(-1.0, 1.0, -3.0, 3.0))
+    # groups of 3: [1, 2, 6] -> 1 - 8/2, 2 - 7/2, 6 - 3/2
+    got = leave_one_out_advantages(t(1.0, 2.0, 6.0), 3)
+    assert_close(got, t(-3.0, -1.5, 4.5))
+
+
+def test_grpo_group_normalisation_by_hand() -> None:
+    got = group_normalized_advantages(t(1.0, 2.0, 6.0, 4.0, 4.0, 4.0), 3)
+    std = math.sqrt(((1 - 3) ** 2 + (2 - 3) ** 2 + (6 - 3) ** 2) / 2)  # unbiased, = sqrt(7)
+    expected = [-2 / (std + 1e-4), -1 / (std + 1e-4), 3 / (std + 1e-4), 0.0, 0.0, 0.0]
+    assert_close(
+        got, torch.tensor(expected, dtype=torch.float64)
+    )  # a group of equal rewards teaches nothing
+
+
+@pytest.mark.parametrize(
+    "gamma, returns",
+    [(1.0, [[0.9, 0.8, 1.0], [0.5, 0.0, 0.0]]), (0.5, [[0.25, 0.3, 1.0], [0.5, 0.0, 0.0]])],
+)
+def test_reinforce_pp_whitened_returns_by_hand(gamma: float, returns: list[list[float]]) -> None:
+    rewards = t([0.1, -0.2, 1.0], [0.5, 9.0, 9.0])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    valid = [returns[0][0], returns[0][1], returns[0][2], returns[1][0]]
+    mean = sum(valid) / 4
+    std = math.sqrt(sum((v - mean) ** 2 for v in valid) / 3)
+    expected = [[(v - mean) / std for v in returns[0]], [(returns[1][0] - mean) / std, 0, 0]]
+    assert_close(reinforce_pp_advantages(rewards, mask, gamma), t(*expected), atol=1e-6, rtol=0)

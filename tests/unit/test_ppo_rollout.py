@@ -197,3 +197,23 @@ def test_row_seeds_differ_by_row_and_iteration_and_fit_int64():
     seeds = {row_seed(42, it, row) for it in range(1, 50) for row in range(64)}
     assert len(seeds) == 49 * 64
     assert 0 <= row_seed(2**40, 10**6, 10**4) < 2**63
+
+
+def test_group_advantages_see_every_member_whichever_process_holds_it():
+    """Rows are dealt to processes in turn (rank, rank + world, ...), so a group of 2 lies on
+    both processes; `global_rows` hands the statistic the global batch in order."""
+    from types import SimpleNamespace
+
+    from rlhf_cli.ppo.core import leave_one_out_advantages
+    from rlhf_cli.ppo.trainer import global_rows
+
+    scores = torch.tensor([1.0, 2.0, 3.0, 6.0])  # groups (1, 2) and (3, 6)
+    mine, theirs = scores[1::2], scores[0::2]  # rank 1 holds rows 1 and 3
+    acc = SimpleNamespace(
+        num_processes=2,
+        process_index=1,
+        device=torch.device("cpu"),
+        gather=lambda local: torch.cat([theirs, local]),  # what accelerate's gather returns
+    )
+    got = global_rows(acc)(lambda r: leave_one_out_advantages(r, 2), mine)
+    assert got.tolist() == [1.0, 3.0]  # rows 1 and 3 of [-1, 1, -3, 3]

@@ -308,3 +308,20 @@ def test_unknown_key_keeps_its_spelling(tmp_path: Path, key: str) -> None:
     path = write(tmp_path, edit(VALID, "  batch_size: 16\n", f"  batch_size: 16\n  '{key}': 1\n"))
     (problem,) = problems_of(path)
     assert problem.startswith(f"{path}:18: ppo.{key}: unknown key"), problem
+
+
+@pytest.mark.parametrize(
+    "ppo, data, message",
+    [
+        ({"advantage_estimator": "rloo"}, {}, "num_generations: rloo compares each completion"),
+        ({"num_generations": 5}, {}, "num_generations: 5 must divide ppo.batch_size"),
+        ({"eval_every": 5}, {"eval_fraction": 0.0}, "ppo.eval_every is set but no prompts"),
+    ],
+)
+def test_estimator_and_evaluation_settings_that_cannot_work_are_refused(
+    make_recipe, ppo, data, message
+):
+
+    path = make_recipe({"ppo": {"batch_size": 32, **ppo}, "data": {"prompts": data}})
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(path)
