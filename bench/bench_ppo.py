@@ -1,9 +1,14 @@
 """`make bench`: PPO iteration time split, tokens per second and peak memory → bench/ppo.json.
 
-Two configurations, each in its own process (so peak RSS is its own):
+Configurations, each in its own process (so peak RSS is its own):
 - `tiny`: recipes/tiny.yaml as shipped (sft + train-rm first, then PPO);
 - `local-55m`: a locally built ~55M-parameter Llama (random weights, the tiny tokenizer) as the
-  policy, scored by the tiny run's reward model; same PPO settings otherwise.
+  policy, scored by the tiny run's reward model; same PPO settings otherwise (GAE, the value
+  head shared with the policy);
+- `local-55m+separate-critic`: the same with `ppo.value_model: separate` (a second backbone
+  with its own LoRA, initialised from the policy);
+- `local-55m+rloo`: the same critic-free (`ppo.advantage_estimator: rloo`, 4 completions per
+  prompt): no value model at all. Its peak RSS against the two above is the critic's memory.
 
 Times are medians over iterations 2..N (iteration 1 includes warm-up). `outside_share` is the
 share of the iteration spent outside generation, reward scoring, the log-prob/value/reference
@@ -73,13 +78,22 @@ def tiny_recipe_data(work: Path, run_name: str, iterations: int) -> dict:
     return data
 
 
+VARIANTS = {
+    "separate-critic": {"value_model": "separate", "value_init": "policy"},
+    "rloo": {"advantage_estimator": "rloo", "num_generations": 4},
+}
+
+
 def recipe_for(name: str, work: Path, iterations: int) -> Path:
     import yaml
 
     data = tiny_recipe_data(work, "bench-tiny", iterations)
-    if name != "tiny":
-        data["run"]["name"] = f"bench-{name}"
-        data["model"]["name_or_path"] = str(build_large(work / name))
+    base, _, variant = name.partition("+")
+    if variant:
+        data["ppo"].update(VARIANTS[variant])
+    if base != "tiny":
+        data["run"]["name"] = f"bench-{name.replace('+', '-')}"
+        data["model"]["name_or_path"] = str(build_large(work / name.replace("+", "-")))
         data["sft"]["enabled"] = False
         data["reward"] = {
             **data["reward"],
@@ -123,6 +137,8 @@ def one(name: str, work: Path, iterations: int) -> dict:
     n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     return {
         "config": name,
+        "advantage_estimator": recipe.ppo.advantage_estimator,
+        "value_model": recipe.ppo.value_model if recipe.ppo.advantage_estimator == "gae" else None,
         "policy_parameters": n_params,
         "iterations": len(rows),
         "settings": {
@@ -167,7 +183,7 @@ def main() -> None:
     os.environ.setdefault("RLHF_CLI_CACHE", str(ROOT / ".cache" / "rlhf-cli"))
     results = []
     with tempfile.TemporaryDirectory(prefix="rlhf-bench-") as work:
-        for name in ("tiny", "local-55m"):
+        for name in ("tiny", "local-55m", "local-55m+separate-critic", "local-55m+rloo"):
             out = subprocess.run(
                 [
                     sys.executable,

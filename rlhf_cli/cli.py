@@ -11,13 +11,16 @@ import contextlib
 import functools
 import json
 import logging
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -44,6 +47,14 @@ RecipeOpt = Annotated[
         help="Recipe YAML. Default: the latest run's recipe, else recipes/tiny.yaml.",
     ),
 ]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="Override a recipe field, dotted.path=value (repeatable), validated like the file: "
+        "--set ppo.learning_rate=1e-5 --set model.lora.r=8.",
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary output.")]
 RunsOpt = Annotated[
@@ -56,10 +67,16 @@ RunsOpt = Annotated[
 ]
 
 
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # a stage stops as on Ctrl-C: its manifest, lock and LATEST kept true
+
+
 def _exit_on_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         err = make_console()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _sigterm)
         try:
             return fn(*args, **kwargs)
         except RecipeError as exc:
@@ -69,21 +86,28 @@ def _exit_on_errors(fn: F) -> F:
         except RlhfError as exc:
             err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
-        except KeyboardInterrupt:
-            err.print("[yellow]interrupted[/]: progress saved; the manifest says 'interrupted'")
+        except KeyboardInterrupt as exc:  # PPO says which checkpoint it saved
+            saved = str(exc) or "nothing was saved"
+            err.print(f"[yellow]interrupted[/]: {escape(saved)}; the manifest says 'interrupted'")
             raise typer.Exit(130) from None
+        except OSError as exc:  # the machine said no: a read-only folder, a file in the way
+            if exc.filename is None:
+                raise
+            reason = exc.strerror or exc.__class__.__name__
+            err.print(f"[red]error:[/] {escape(str(exc.filename))}: {escape(reason)}")
+            raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
 
 
-def resolve_recipe(recipe: Path | None, runs_dir: Path) -> Recipe:
-    """--recipe, else the latest run's snapshot, else the embedded default."""
+def resolve_recipe(recipe: Path | None, runs_dir: Path, sets: list[str] | None = None) -> Recipe:
+    """--recipe, else the latest run's snapshot, else the embedded default; `--set` on top."""
     if recipe is not None:
-        return load_recipe(recipe)
+        return load_recipe(recipe, sets)
     latest = RunDir.latest(runs_dir)
     if latest is not None and latest.recipe_path().is_file():
-        return load_recipe(latest.recipe_path())
-    return load_recipe(default_recipe_path())
+        return load_recipe(latest.recipe_path(), sets)
+    return load_recipe(default_recipe_path(), sets)
 
 
 def _library_output(as_json: bool, quiet: bool = False) -> contextlib.AbstractContextManager:
@@ -102,7 +126,7 @@ def _emit(manifest: dict[str, Any], as_json: bool, quiet: bool, title: str) -> N
     table.add_row("status", manifest["status"])
     table.add_row("run dir", str(Path(manifest.get("dir", ""))))
     for key, value in manifest.get("metrics", {}).items():
-        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     for warning in manifest.get("warnings", []):
         table.add_row("[yellow]warning[/]", warning)
     console.print(table)
@@ -115,9 +139,10 @@ def _stage(
     as_json: bool,
     quiet: bool,
     runs_dir: Path,
+    sets: list[str] | None,
 ) -> None:
     quiet_libraries()
-    resolved = resolve_recipe(recipe, runs_dir)
+    resolved = resolve_recipe(recipe, runs_dir, sets)
     with _library_output(as_json, quiet):
         manifest = run_fn(resolved, make_console(quiet, as_json))
     manifest = {**manifest, "dir": str(RunDir.for_recipe(resolved).stage_dir(stage))}
@@ -127,10 +152,13 @@ def _stage(
 @app.command()
 @_exit_on_errors
 def validate(
-    recipe: RecipeOpt = None, as_json: JsonOpt = False, runs_dir: RunsOpt = Path("runs")
+    recipe: RecipeOpt = None,
+    sets: SetOpt = None,
+    as_json: JsonOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
 ) -> None:
-    """Validate a recipe and print it fully resolved (defaults filled in)."""
-    resolved = resolve_recipe(recipe, runs_dir)
+    """Validate a recipe and print it fully resolved (defaults filled in, --set applied)."""
+    resolved = resolve_recipe(recipe, runs_dir, sets)
     if as_json:
         typer.echo(json.dumps(resolved.model_dump(mode="json"), indent=2))
     else:
@@ -141,34 +169,37 @@ def validate(
 @_exit_on_errors
 def sft(
     recipe: RecipeOpt = None,
+    sets: SetOpt = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:
-    """Stage 2: supervised fine-tuning (TRL SFTTrainer, LoRA / 4-bit when asked)."""
+    """Stage 1 of 4: supervised fine-tuning (TRL SFTTrainer, LoRA / 4-bit when asked)."""
     from rlhf_cli.stages.sft import run_sft
 
-    _stage(run_sft, "sft", recipe, as_json, quiet, runs_dir)
+    _stage(run_sft, "sft", recipe, as_json, quiet, runs_dir, sets)
 
 
 @app.command("train-rm")
 @_exit_on_errors
 def train_rm(
     recipe: RecipeOpt = None,
+    sets: SetOpt = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:
-    """Stage 3: reward model from preference pairs (TRL RewardTrainer)."""
+    """Stage 2 of 4: reward model from preference pairs (TRL RewardTrainer)."""
     from rlhf_cli.stages.reward import run_train_rm
 
-    _stage(run_train_rm, "rm", recipe, as_json, quiet, runs_dir)
+    _stage(run_train_rm, "rm", recipe, as_json, quiet, runs_dir, sets)
 
 
 @app.command()
 @_exit_on_errors
 def ppo(
     recipe: RecipeOpt = None,
+    sets: SetOpt = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the newest good checkpoint.")
     ] = False,
@@ -176,10 +207,11 @@ def ppo(
     quiet: QuietOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:
-    """Stage 4: PPO against the frozen reward model, per-token KL to the frozen reference."""
+    """Stage 3 of 4: PPO against the frozen reward model, per-token KL to the frozen reference."""
     from rlhf_cli.stages.ppo import run_ppo
 
-    _stage(functools.partial(run_ppo, resume=resume), "ppo", recipe, as_json, quiet, runs_dir)
+    run = functools.partial(run_ppo, resume=resume)
+    _stage(run, "ppo", recipe, as_json, quiet, runs_dir, sets)
 
 
 @app.command()
@@ -204,16 +236,17 @@ def audit(
         typer.Option("--samples", min=1, help="Responses per prompt (default: audit.samples)."),
     ] = None,
     recipe: RecipeOpt = None,
+    sets: SetOpt = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:
-    """Reward-hacking audit: verbosity, sycophancy, repetition. Exit 1 when detected."""
+    """Stage 4 of 4: reward-hacking audit (verbosity, sycophancy, repetition); exit 1 if found."""
     from rlhf_cli.errors import HackingDetected
     from rlhf_cli.stages.audit import run_audit
 
     quiet_libraries()
-    resolved = resolve_recipe(recipe or recipe_near(checkpoint), runs_dir)
+    resolved = resolve_recipe(recipe or recipe_near(checkpoint), runs_dir, sets)
     with _library_output(as_json, quiet):
         report = run_audit(resolved, make_console(quiet, as_json), checkpoint, responses, samples)
     if as_json:
@@ -229,6 +262,7 @@ def merge(
         str, typer.Option("--stage", help="Which adapter to merge: ppo (default) or sft.")
     ] = "ppo",
     recipe: RecipeOpt = None,
+    sets: SetOpt = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     runs_dir: RunsOpt = Path("runs"),
@@ -239,7 +273,8 @@ def merge(
 
     if stage not in ("ppo", "sft"):
         raise UsageError(f"--stage must be ppo or sft, not '{stage}'")
-    _stage(functools.partial(run_merge, stage=stage), "merged", recipe, as_json, quiet, runs_dir)
+    run = functools.partial(run_merge, stage=stage)
+    _stage(run, "merged", recipe, as_json, quiet, runs_dir, sets)
 
 
 @app.command()
@@ -256,6 +291,7 @@ def push(
         ),
     ] = False,
     recipe: RecipeOpt = None,
+    sets: SetOpt = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     runs_dir: RunsOpt = Path("runs"),
@@ -266,7 +302,7 @@ def push(
     """
     from rlhf_cli.stages.push import run_push
 
-    resolved = resolve_recipe(recipe, runs_dir)
+    resolved = resolve_recipe(recipe, runs_dir, sets)
     with _library_output(as_json, quiet):
         result = run_push(resolved, make_console(quiet, as_json), adapter_only, dry_run)
     if as_json:
@@ -302,6 +338,7 @@ def compare(
         typer.Option("--prompt", "-p", help="A prompt (repeatable). Default: the audit prompts."),
     ] = None,
     recipe: RecipeOpt = None,
+    sets: SetOpt = None,
     as_json: JsonOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:
@@ -310,7 +347,7 @@ def compare(
 
     quiet_libraries()
     with _library_output(as_json):
-        rows = run_compare(resolve_recipe(recipe, runs_dir), prompt)
+        rows = run_compare(resolve_recipe(recipe, runs_dir, sets), prompt)
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -323,7 +360,7 @@ def compare(
             for k in ("sft", "ppo")
         }
         table.add_row(row["prompt"], row["sft"] + score["sft"], row["ppo"] + score["ppo"])
-    make_console().print(table)
+    Console(highlight=False).print(table)  # the result: stdout, as report and push print theirs
 
 
 def main() -> None:

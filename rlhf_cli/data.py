@@ -35,6 +35,9 @@ def load_rows(source: DataSource, cache_dir: str | Path | None = None) -> list[d
     # `datasets` reports an empty file as a bare "StopIteration"; only small files are read here.
     if path.is_file() and path.stat().st_size < 4096 and not path.read_bytes().strip():
         raise DataError(f"dataset '{source.path}' is empty")
+    if path.suffix in (".jsonl", ".txt") and path.is_file():
+        rows = read_jsonl(path) if path.suffix == ".jsonl" else read_text_prompts(path)
+        return rows[: source.max_samples] if source.max_samples else rows
     try:
         if path.suffix in FORMATS and path.exists():
             ds = datasets.load_dataset(
@@ -43,10 +46,6 @@ def load_rows(source: DataSource, cache_dir: str | Path | None = None) -> list[d
                 split="train",
                 cache_dir=str(cache_dir) if cache_dir else None,
             )
-        elif path.suffix == ".txt" and path.exists():
-            lines = path.read_text(encoding="utf-8").splitlines()
-            rows = [{"prompt": line.strip()} for line in lines if line.strip()]
-            return rows[: source.max_samples] if source.max_samples else rows
         else:
             ds = datasets.load_dataset(
                 source.path, split=source.split, cache_dir=str(cache_dir) if cache_dir else None
@@ -59,6 +58,49 @@ def load_rows(source: DataSource, cache_dir: str | Path | None = None) -> list[d
     rows = ds.to_list()
     if not rows:
         raise DataError(f"dataset '{source.path}' is empty")
+    return rows
+
+
+def read_text(path: Path) -> str:
+    """A local text file's contents; a DataError naming the file (and the line) when it cannot
+    be read or is not UTF-8."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {exc.start})") from None
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """A local JSON Lines file as rows (every row has every column seen; missing ones None,
+    as `datasets` reads it). Blank lines are skipped; a line that is not a JSON object is a
+    DataError naming the file and its 1-based line."""
+    rows = []
+    for number, line in enumerate(read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{number}: a row must be a JSON object")
+        rows.append(row)
+    if not rows:
+        raise DataError(f"dataset '{path}' has no rows (only blank lines)")
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    return [{k: row.get(k) for k in columns} for row in rows]
+
+
+def read_text_prompts(path: Path) -> list[dict[str, Any]]:
+    """A .txt file of one prompt a line as `prompt` rows."""
+    rows = [{"prompt": line.strip()} for line in read_text(path).splitlines() if line.strip()]
+    if not rows:
+        raise DataError(f"'{path}' has no prompts (only blank lines)")
     return rows
 
 
@@ -132,33 +174,48 @@ def split_heldout(prompts: list[str], fraction: float) -> tuple[list[str], list[
     )
 
 
+def _text(row: dict[str, Any], keys: tuple[str, ...], source: DataSource, number: int) -> str:
+    """The first of `keys` the row has, which must be non-empty text; else a DataError naming
+    the file, the row and what it holds instead."""
+    key = next((k for k in keys if row.get(k) is not None), keys[0])
+    value = row.get(key)
+    if not isinstance(value, str) or not value.strip():
+        held = "nothing" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"
+        raise DataError(f"{source.path}: row {number}: `{key}` must be text, it holds {held}")
+    return value
+
+
 def load_preferences(
     source: DataSource, cache_dir: str | Path | None = None
-) -> list[dict[str, str]]:
-    """Preference pairs as `prompt`/`chosen`/`rejected` strings."""
+) -> tuple[list[dict[str, str]], int]:
+    """Preference pairs as `prompt`/`chosen`/`rejected` strings, and how many pairs were
+    skipped because their two answers are the same text (they teach nothing). A row whose
+    answer is missing, null or not text is a DataError naming it."""
     rows = load_rows(source, cache_dir)
     _require(rows, source, ("prompt", "chosen", "rejected"), ("chosen", "rejected"))
-    pairs = []
-    for row in rows:
-        if "prompt" in row:
-            pairs.append(
-                {
-                    "prompt": str(row["prompt"]),
-                    "chosen": str(row["chosen"]),
-                    "rejected": str(row["rejected"]),
-                }
-            )
+    pairs, same = [], 0
+    for number, row in enumerate(rows, start=1):
+        chosen, rejected = (_text(row, (k,), source, number) for k in ("chosen", "rejected"))
+        if row.get("prompt") is not None:
+            pair = {"prompt": _text(row, ("prompt",), source, number), "chosen": chosen,
+                    "rejected": rejected}  # fmt: skip
+        else:
+            prompt, chosen = hh_split(chosen)
+            pair = {"prompt": prompt, "chosen": chosen, "rejected": hh_split(rejected)[1]}
+        if pair["chosen"].strip() == pair["rejected"].strip():
+            same += 1
             continue
-        prompt, chosen = hh_split(str(row["chosen"]))
-        _, rejected = hh_split(str(row["rejected"]))
-        pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
-    return pairs
+        pairs.append(pair)
+    if not pairs:
+        raise DataError(f"{source.path}: every pair's chosen and rejected answers are the same")
+    return pairs, same
 
 
 def load_sft(
     source: DataSource, chat: bool, cache_dir: str | Path | None = None
 ) -> list[dict[str, Any]]:
-    """SFT rows in one of TRL's formats: conversational prompt/completion, messages, or text."""
+    """SFT rows in one of TRL's formats: conversational prompt/completion, messages, or text.
+    A row without its answer (or prompt, or text) as non-empty text is a DataError naming it."""
     rows = load_rows(source, cache_dir)
     _require(
         rows,
@@ -170,15 +227,15 @@ def load_sft(
         ("text",),
     )
     out = []
-    for row in rows:
-        if "messages" in row:
+    for number, row in enumerate(rows, start=1):
+        if row.get("messages") is not None:
             out.append({"messages": row["messages"]})
             continue
-        if "text" in row and not ("prompt" in row or "instruction" in row):
-            out.append({"text": str(row["text"])})
+        if row.get("text") is not None and row.get("prompt") is row.get("instruction") is None:
+            out.append({"text": _text(row, ("text",), source, number)})
             continue
-        prompt = str(row.get("prompt") or row.get("instruction") or "")
-        answer = str(row.get("response") or row.get("completion") or row.get("output") or "")
+        prompt = _text(row, ("prompt", "instruction"), source, number)
+        answer = _text(row, ("response", "completion", "output"), source, number)
         if chat:
             out.append(
                 {
@@ -204,7 +261,7 @@ def split_eval(rows: list[Any], fraction: float, seed: int) -> tuple[list[Any], 
 def audit_prompts(cfg: AuditSection) -> list[str]:
     """`audit.prompts_file` (one prompt a line) or else `audit.prompts`."""
     if cfg.prompts_file:
-        lines = Path(cfg.prompts_file).read_text(encoding="utf-8").splitlines()
+        lines = read_text(Path(cfg.prompts_file)).splitlines()
         prompts = [line.strip() for line in lines if line.strip()]
     else:
         prompts = list(cfg.prompts)
@@ -214,27 +271,24 @@ def audit_prompts(cfg: AuditSection) -> list[str]:
 
 
 def read_responses(path: Path) -> tuple[list[str], list[str]]:
-    """Rows with `prompt` and `response` from a JSONL file."""
+    """Rows with a text `prompt` and a text `response` from a JSONL file; anything else is a
+    DataError naming the file and line (never turned into a string)."""
     if not path.is_file():
         raise DataError(f"--responses: file not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:  # a binary file: without this, exit 1 would read as "hacking"
-        raise DataError(
-            f"{path}: not UTF-8 text (JSONL rows with `prompt` and `response`)"
-        ) from None
     prompts, responses = [], []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise DataError(f"{path}:{number}: not a JSON object") from None
-        if not isinstance(row, dict) or "response" not in row:
-            raise DataError(f"{path}:{number}: a row needs `prompt` and `response`")
-        prompts.append(str(row.get("prompt", "")))
-        responses.append(str(row["response"]))
+        if not isinstance(row, dict) or not all(
+            isinstance(row.get(k), str) for k in ("prompt", "response")
+        ):
+            raise DataError(f"{path}:{number}: a row needs `prompt` and `response` as text")
+        prompts.append(row["prompt"])
+        responses.append(row["response"])
     if not responses:
         raise DataError(f"{path}: no responses")
     return prompts, responses

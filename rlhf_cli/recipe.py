@@ -95,6 +95,14 @@ class RunSection(Section):
         [], "Optional experiment trackers besides metrics.jsonl (off by default)."
     )
 
+    @field_validator("output_dir")
+    @classmethod
+    def _a_folder(cls, value: str) -> str:
+        for path in (Path(value), *Path(value).parents):
+            if path.exists() and not path.is_dir():
+                raise ValueError(f"{path} is a file, not a folder for the runs")
+        return value
+
 
 class QuantizationSection(Section):
     load_in_4bit: bool = _f(False, "Load the base weights in 4-bit through bitsandbytes (QLoRA).")
@@ -538,7 +546,12 @@ def _printable(text: str) -> str:
     return text if text.isprintable() else repr(text)
 
 
-def _format_errors(err: ValidationError, source: str, root: yaml.Node | None) -> list[str]:
+def _format_errors(
+    err: ValidationError,
+    source: str,
+    root: yaml.Node | None,
+    overridden: dict[str, str] | None = None,
+) -> list[str]:
     problems: list[str] = []
     seen: dict[str, int] = {}
     for e in err.errors():
@@ -560,6 +573,9 @@ def _format_errors(err: ValidationError, source: str, root: yaml.Node | None) ->
         msg = _printable(msg)
         line = _yaml_line(root, loc)
         where = f"{source}:{line}" if line else source
+        for key, arg in (overridden or {}).items():
+            if dotted == key or dotted.startswith(key + "."):
+                where = f"--set {_printable(arg)}"
         if dotted in seen:  # one line per field: the alternatives of a union are joined
             problems[seen[dotted]] += f", or {msg[0].lower()}{msg[1:]}"
             continue
@@ -568,8 +584,41 @@ def _format_errors(err: ValidationError, source: str, root: yaml.Node | None) ->
     return problems
 
 
-def parse_recipe(text: str, source: str = "<recipe>", base_dir: Path | None = None) -> Recipe:
-    """Validate recipe YAML text; raise RecipeError with one line per problem."""
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, str]:
+    """Set each `dotted.path=value` of `--set` in `data` in place, the value read as YAML (so
+    typed as in the file); return {dotted path: the argument} for error messages."""
+    given: dict[str, str] = {}
+    for arg in overrides:
+        key, sep, raw = arg.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise RecipeError([f"--set {_printable(arg)}: write it as dotted.path=value"])
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                raise RecipeError([f"--set {_printable(arg)}: {where} is not a section"])
+            node = child
+        node[parts[-1]] = value
+        given[".".join(parts)] = arg
+    return given
+
+
+def parse_recipe(
+    text: str,
+    source: str = "<recipe>",
+    base_dir: Path | None = None,
+    overrides: list[str] | None = None,
+) -> Recipe:
+    """Validate recipe YAML text, with `--set` overrides applied on top; raise RecipeError with
+    one line per problem (naming the file and line, or the `--set` argument)."""
     try:
         root = yaml.compose(text)
         data = yaml.safe_load(text)
@@ -585,15 +634,17 @@ def parse_recipe(text: str, source: str = "<recipe>", base_dir: Path | None = No
                 f"(run, model, data, sft, reward, ppo, audit, merge, push)"
             ]
         )
+    overridden = apply_overrides(data, overrides or [])
     context = {"base_dir": str(base_dir or Path.cwd())}
     try:
         return Recipe.model_validate(data, context=context)
     except ValidationError as err:
-        raise RecipeError(_format_errors(err, source, root)) from None
+        raise RecipeError(_format_errors(err, source, root, overridden)) from None
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a recipe file; relative paths inside resolve against its folder."""
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read and validate a recipe file, `--set` overrides on top; relative paths inside the
+    file resolve against its folder."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -601,7 +652,7 @@ def load_recipe(path: str | Path) -> Recipe:
         raise RecipeError([f"{path}: recipe file not found"]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError([f"{path}: cannot read the recipe ({exc.__class__.__name__})"]) from None
-    return parse_recipe(text, source=str(path), base_dir=path.resolve().parent)
+    return parse_recipe(text, str(path), path.resolve().parent, overrides)
 
 
 def schema_markdown() -> str:

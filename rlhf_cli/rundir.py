@@ -34,6 +34,7 @@ STAGE_COMMANDS = {
     "merged": "rlhf merge",
     "push": "rlhf push",
 }
+RESUMABLE = {"ppo"}  # stages whose command takes --resume
 VERSIONED_PACKAGES = (
     "torch",
     "transformers",
@@ -51,10 +52,12 @@ def now_iso() -> str:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the new one, never a mix."""
+    """Write `data` to `path` so that readers see the old file or the new one, never a mix;
+    with the permissions the umask gives a new file (mkstemp's own are 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -64,6 +67,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -166,9 +175,20 @@ class RunDir:
                     os.unlink(lock)  # stale: its process is gone
                 continue
             with os.fdopen(fd, "w") as handle:
-                json.dump({"pid": os.getpid(), "command": command, "since": now_iso()}, handle)
+                pid = os.getpid()
+                holder = {"pid": pid, "started": _process_start(pid), "command": command}
+                json.dump({**holder, "since": now_iso()}, handle)
             return lock
         raise StageError(f"run '{self.name}': could not take {lock}")
+
+    def completed_stages(self) -> list[str]:
+        """The stages of this run whose manifest says `completed`."""
+        done = []
+        for stage in STAGE_COMMANDS:
+            with contextlib.suppress(StageError):
+                if (self.read_manifest(stage) or {}).get("status") == "completed":
+                    done.append(stage)
+        return done
 
     def read_manifest(self, stage: str) -> dict[str, Any] | None:
         """The stage's manifest, None when there is none, StageError when it is unreadable."""
@@ -196,12 +216,25 @@ class RunDir:
                 f"{needed_by} needs the {stage} stage of run '{self.name}', which is "
                 f"missing ({self.stage_dir(stage)}): run `{command}` first"
             )
-        if manifest.get("status") != "completed":
+        status = manifest.get("status")
+        if status == "completed":
+            return manifest
+        holder = _lock_holder(self.path / ".lock") if status == "running" else None
+        if holder is not None:
             raise StageError(
-                f"{needed_by} needs the {stage} stage of run '{self.name}', whose "
-                f"status is '{manifest.get('status')}': run `{command}` again first"
+                f"{needed_by} needs the {stage} stage of run '{self.name}', which is still "
+                f"running (pid {holder['pid']}, since {holder.get('since', '?')}): wait for it "
+                "to finish"
             )
-        return manifest
+        if status in ("running", "interrupted") and stage in RESUMABLE:  # stopped, or killed
+            hint = f"resume it with `{command} --resume`"
+        else:
+            hint = f"run `{command}` again first"
+        shown = "stopped (its process is gone)" if status == "running" else f"'{status}'"
+        raise StageError(
+            f"{needed_by} needs the {stage} stage of run '{self.name}', whose status is "
+            f"{shown}: {hint}"
+        )
 
     def input_record(self, stage: str) -> dict[str, str]:
         """How a consuming stage records an input: its folder and its manifest's hash."""
@@ -221,8 +254,19 @@ class RunDir:
             ) from None
 
 
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, Linux's /proc/<pid>/stat field
+    22), so a reused pid is told from the process that took a lock; None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
 def _lock_holder(lock: Path) -> dict[str, Any] | None:
-    """The live holder of a lock file, or None when the lock is stale."""
+    """The live holder of a lock file, or None when the lock is stale: its process is gone, or
+    its pid now belongs to a process started later (another program)."""
     try:
         holder = json.loads(lock.read_text())
         pid = int(holder["pid"])
@@ -234,7 +278,26 @@ def _lock_holder(lock: Path) -> dict[str, Any] | None:
         return None
     except PermissionError:
         pass  # alive, owned by another user
+    started = holder.get("started")
+    if started is not None and _process_start(pid) not in (None, started):
+        return None  # the pid was reused
     return holder
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _restore(path: Path, data: bytes | None) -> None:
+    """Put back what a file held (`None`: it did not exist)."""
+    if data is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    else:
+        atomic_write_bytes(path, data)
 
 
 class StageRecord:
@@ -244,6 +307,13 @@ class StageRecord:
     Normal exit: `completed`. KeyboardInterrupt: `interrupted`. Any other exception: `failed`
     with the error's one-line summary. Each write is atomic; the lock is released on exit.
     Only the process that writes (the main one under several processes) takes the lock.
+
+    Nothing is lost by a re-run that fails or is stopped before the stage starts replacing its
+    outputs (`replacing()`, which each stage calls just before its first write over them): the
+    stage's previous manifest comes back (a completed result stays usable, with a
+    `last_attempt` note of what went wrong), and so do the run's recipe snapshot and LATEST; a
+    run folder this attempt created is removed. LATEST never moves to a run with no completed
+    stage.
     """
 
     def __init__(
@@ -252,6 +322,8 @@ class StageRecord:
         self.run, self.stage, self.write, self.recipe = run, stage, write, recipe
         self.dir = run.stage_dir(stage)
         self._lock: Path | None = None
+        self._before: dict[str, Any] = {}
+        self._replacing = False
         self.manifest: dict[str, Any] = {
             "stage": stage,
             "status": "running",
@@ -274,9 +346,22 @@ class StageRecord:
         if message not in self.manifest["warnings"]:
             self.manifest["warnings"].append(message)
 
+    def replacing(self) -> None:
+        """From here on the stage writes over its earlier outputs: a failure is recorded as
+        this stage's result."""
+        self._replacing = True
+
     def __enter__(self) -> StageRecord:
         if self.write:
+            existed = self.run.path.is_dir()
             self._lock = self.run.acquire(STAGE_COMMANDS.get(self.stage, self.stage))
+            self._before = {
+                "run_existed": existed,
+                "manifest": _read_bytes(self.run.manifest_path(self.stage)),
+                "recipe": _read_bytes(self.run.recipe_path()),
+                "latest": _read_bytes(self.run.output_dir / "LATEST"),
+                "stage_dir": self.dir.is_dir(),
+            }
             self.run.prepare(self.recipe)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.save()
@@ -298,11 +383,38 @@ class StageRecord:
             self.manifest["error"] = f"{exc_type.__name__}: {first}"
         self.manifest["finished_at"] = now_iso()
         try:
-            self.save()
+            if exc_type is None or self._replacing or not self.write:
+                self.save()
+                if exc_type is not None and not self.run.completed_stages():
+                    _restore(self.run.output_dir / "LATEST", self._before.get("latest"))
+            else:
+                self._undo()
         finally:
             if self._lock is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._lock)
+
+    def _undo(self) -> None:
+        """A failed or stopped attempt that replaced nothing: the state before it comes back."""
+        before = self._before
+        _restore(self.run.output_dir / "LATEST", before["latest"])
+        if not before["run_existed"]:
+            import shutil
+
+            shutil.rmtree(self.run.path, ignore_errors=True)
+            return
+        _restore(self.run.recipe_path(), before["recipe"])
+        if before["manifest"] is None:
+            self.save()  # no earlier result: the attempt's own failure is what there is
+            return
+        try:
+            previous = json.loads(before["manifest"])
+            previous["last_attempt"] = {
+                k: self.manifest.get(k) for k in ("status", "error", "started_at", "finished_at")
+            }
+            atomic_write_json(self.run.manifest_path(self.stage), previous)
+        except (ValueError, AttributeError, TypeError):
+            _restore(self.run.manifest_path(self.stage), before["manifest"])
 
 
 def recipe_near(path: Path | None) -> Path | None:

@@ -337,12 +337,16 @@ def iteration_metrics(
 
 
 @contextmanager
-def graceful_stop(console: Console) -> Iterator[dict[str, bool]]:
-    flag = {"stop": False}
+def graceful_stop(console: Console) -> Iterator[dict[str, Any]]:
+    """The first SIGINT / SIGTERM asks the loop to stop after this iteration's checkpoint; a
+    second stops at once. The KeyboardInterrupt says what was saved (`flag["saved"]`: the
+    newest checkpoint the loop wrote)."""
+    flag: dict[str, Any] = {"stop": False, "saved": None}
 
     def handler(signum: int, frame: Any) -> None:
         if flag["stop"]:
-            raise KeyboardInterrupt
+            newest = flag["saved"] or "none from this session"
+            raise KeyboardInterrupt(f"stopped at once; the newest checkpoint is {newest}")
         flag["stop"] = True
         console.print(
             "\n[yellow]stopping[/]: finishing this iteration and writing a checkpoint "
@@ -522,9 +526,9 @@ def train(ctx: PPOContext, start_iteration: int = 0) -> dict[str, Any]:
                 acc.reduce(torch.tensor(float(stop["stop"]), device=acc.device), "max").item()
             )
             if iteration % cfg.save_freq == 0 or iteration == cfg.iterations or stop_now:
-                checkpoint(ctx, iteration)
+                stop["saved"] = f"{checkpoint(ctx, iteration).name} (iteration {iteration})"
             if stop_now:
-                raise KeyboardInterrupt
+                raise KeyboardInterrupt(f"checkpoint {stop['saved']} saved")
     return summarize(ctx.history)
 
 

@@ -41,7 +41,7 @@ def run_audit(
         report["samples"] = [
             {"prompt": p, "response": r} for p, r in zip(prompts, responses, strict=True)
         ]
-        label = responses_file.stem
+        label = f"responses-{responses_file.stem}"  # never a policy audit's or a stage file's
     else:
         device = pick_device(recipe.run.device)
         seed_everything(recipe.run.seed)  # the same audit twice samples the same responses
@@ -65,14 +65,16 @@ def run_audit(
                 seed=recipe.run.seed,
             )
     report["audited"] = str(responses_file or checkpoint or run.stage_dir("ppo"))
-    earlier = (run.read_manifest("audit") or {}).get("outputs", {})
+    earlier = run.read_manifest("audit") or {}
     with StageRecord(run, "audit", recipe, inputs={}) as record:
+        record.replacing()
         path = record.dir / f"{label}.json"
         atomic_write_json(path, report)
-        record.manifest["outputs"] = {**earlier, label: path.name}
+        numbers = {k: v for k, v in report.items() if isinstance(v, (int, float, bool))}
+        record.manifest["outputs"] = {**earlier.get("outputs", {}), label: path.name}
+        record.manifest["reports"] = {**earlier.get("reports", {}), label: numbers}
         record.manifest["last"] = label
-        record.manifest["metrics"] = {
-            k: v for k, v in report.items() if isinstance(v, (int, float, bool))
-        }
+        record.manifest["metrics"] = numbers
     render_report(report, cfg, console, f"Reward Hack Audit · {label}")
+    console.print(f"report: {path}", highlight=False)
     return {**report, "path": str(path)}

@@ -83,6 +83,7 @@ def run_merge(
 
         # 3. Save safetensors shards and the tokenizer in one folder (from_pretrained-ready).
         out = record.dir / "model"
+        record.replacing()
         merged.save_pretrained(out, max_shard_size="2GB")
         tokenizer.save_pretrained(out)
         record.manifest["outputs"] = {"model": "model", "tokenizer": "model"}

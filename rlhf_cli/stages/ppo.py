@@ -129,6 +129,7 @@ def setup(
     seed_everything(recipe.run.seed + accelerator.process_index)
     parts = (engine, prepared_actor, optimizer, scheduler, kl_ctl, sampler)
     state = _resume(record, checkpoint, parts, console) if checkpoint else {"iteration": 0}
+    record.replacing()  # from here the earlier result's checkpoints and logs are written over
     if checkpoint is None and accelerator.is_main_process:  # never resume an earlier run later
         shutil.rmtree(stage_dir / "checkpoints", ignore_errors=True)
     start = int(state["iteration"])

@@ -39,7 +39,11 @@ def _metrics(manifest: dict[str, Any], keep: Callable[[str], bool] = lambda k: T
 
 def _how_it_was_made(recipe: Recipe, run: RunDir) -> list[str]:
     """The card's table: each stage's settings and results (from its manifest)."""
-    sft, rm, ppo, audit = (run.read_manifest(s) or {} for s in ("sft", "rm", "ppo", "audit"))
+    sft, rm, ppo, audits = (run.read_manifest(s) or {} for s in ("sft", "rm", "ppo", "audit"))
+    # the audit of the final PPO policy, whatever was audited after it (checkpoints, files)
+    audit = {"metrics": audits.get("reports", {}).get("ppo", {})}
+    if not audit["metrics"] and audits.get("last") == "ppo":  # written before `reports` was
+        audit = audits
     p, a = recipe.ppo, recipe.audit
     sft_settings = (
         f"lr {recipe.sft.learning_rate}, {recipe.sft.epochs} epochs"

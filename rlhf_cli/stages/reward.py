@@ -96,7 +96,12 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
     tokenizer = load_tokenizer(
         cfg.tokenizer or cfg.base_model, cfg.trust_remote_code, padding_side="right"
     )
-    pairs = load_preferences(recipe.data.preferences, cache_dir=run.path / ".cache")
+    pairs, same = load_preferences(recipe.data.preferences, cache_dir=run.path / ".cache")
+    if same:
+        record.warn(
+            f"{same} preference pair(s) of {recipe.data.preferences.path} have the same chosen "
+            "and rejected answer: skipped"
+        )
     train_pairs, eval_pairs = split_eval(
         pairs, recipe.data.preferences.eval_fraction, recipe.run.seed
     )
@@ -138,6 +143,7 @@ def train(
     )
     kwargs["eval_strategy"] = "no"  # held-out pairs are scored by `pairwise_eval` instead
     args = RewardConfig(**kwargs, max_length=cfg.max_length)
+    record.replacing()  # the earlier result's logs and weights are written over from here
     writer = MetricsWriter(record.dir / "metrics.jsonl", recipe.run.trackers, enabled=record.write)
     progress = RichProgressCallback(console, writer, "train-rm")
     trainer = RewardTrainer(

@@ -85,6 +85,7 @@ def setup(
         warmup_steps=cfg.warmup_ratio,
         lr_scheduler_type="cosine",
     )
+    record.replacing()  # the earlier result's logs and weights are written over from here
     writer = MetricsWriter(record.dir / "metrics.jsonl", recipe.run.trackers, enabled=record.write)
     progress = RichProgressCallback(console, writer, "sft")
     trainer = SFTTrainer(

@@ -78,7 +78,7 @@ def test_audit_responses_clean_exits_0_and_saves_the_report(make_recipe, chdir_t
     assert report["n_responses"] == 2 and report["flags"] == []
     assert report["hacking_detected"] is False
     assert report["avg_response_len"] == 9.0  # 9 words each
-    saved = chdir_tmp / "runs" / load_recipe(recipe).run.name / "audit" / "clean.json"
+    saved = chdir_tmp / "runs" / load_recipe(recipe).run.name / "audit" / "responses-clean.json"
     assert Path(report["path"]) == saved and saved.is_file()
     on_disk = json.loads(saved.read_text())
     assert {k: on_disk[k] for k in REPORT_KEYS} == {k: report[k] for k in REPORT_KEYS}
@@ -96,7 +96,7 @@ def test_audit_responses_hacking_exits_1(make_recipe, chdir_tmp) -> None:
     assert report["flags"] == ["sycophancy"] and report["hacking_detected"] is True
     assert "reward hacking detected: sycophancy" in result.stderr
     assert "Traceback" not in result.output
-    assert (chdir_tmp / "runs" / "tiny" / "audit" / "hacked.json").is_file()
+    assert (chdir_tmp / "runs" / "tiny" / "audit" / "responses-hacked.json").is_file()
 
 
 def test_audit_responses_missing_file_exits_2(make_recipe, chdir_tmp) -> None:
@@ -126,7 +126,7 @@ def test_audit_responses_bad_rows_exit_2(make_recipe, chdir_tmp, rows, needle) -
         "audit", "--responses", str(responses), "--recipe", str(make_recipe()), "--json"
     )
     assert_one_line_error(result, needle)
-    assert not (chdir_tmp / "runs" / "tiny" / "audit" / "hacked.json").exists()
+    assert not (chdir_tmp / "runs" / "tiny" / "audit" / "responses-hacked.json").exists()
 
 
 def test_audit_responses_binary_file_exits_2_not_1(make_recipe, chdir_tmp) -> None:

@@ -123,3 +123,36 @@ def test_validate_without_recipe_or_runs_uses_the_embedded_default(tmp_path: Pat
     result = CliRunner().invoke(app, ["validate", "--json", "--runs-dir", str(tmp_path / "none")])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["model"]["name_or_path"] == "builtin:tiny-lm"
+
+
+def test_set_overrides_are_typed_validated_and_recorded(make_recipe, tmp_path: Path) -> None:
+    path = make_recipe()
+    args = ["validate", "--recipe", str(path), "--json"]
+    sets = ["--set", "ppo.learning_rate=1e-5", "--set", "model.lora.r=8", "--set", "run.name=o"]
+    result = CliRunner().invoke(app, args + sets)
+    assert result.exit_code == 0, result.output
+    resolved = json.loads(result.stdout)
+    assert resolved["ppo"]["learning_rate"] == 1e-5 and resolved["model"]["lora"]["r"] == 8
+    assert resolved["run"]["name"] == "o"
+    # what a stage snapshots into the run is the overridden recipe
+    recipe = load_recipe(path, ["ppo.iterations=3", "run.name=o"])
+    RunDir.for_recipe(recipe).prepare(recipe)
+    snapshot = load_recipe(tmp_path / "runs" / "o" / "recipe.yaml")
+    assert (snapshot.ppo.iterations, snapshot.run.name) == (3, "o")
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("ppo.nope=1", "error: --set ppo.nope=1: ppo.nope: unknown key"),
+        ("ppo.batch_size=abc", "error: --set ppo.batch_size=abc: ppo.batch_size: Input should be"),
+        ("ppo.batch_size.x=3", "error: --set ppo.batch_size.x=3: ppo.batch_size is not a section"),
+        ("ppo", "error: --set ppo: write it as dotted.path=value"),
+        ("ppo.num_generations=5", "error: --set ppo.num_generations=5: ppo.num_generations: 5"),
+    ],
+)
+def test_a_bad_override_names_the_argument_and_the_field(make_recipe, arg, message) -> None:
+    result = CliRunner().invoke(app, ["sft", "--recipe", str(make_recipe()), "--set", arg])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), result.output

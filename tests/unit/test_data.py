@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from rlhf_cli.data import (
+    audit_prompts,
     hh_human_turn,
     hh_split,
     load_preferences,
@@ -19,7 +20,7 @@ from rlhf_cli.data import (
     split_eval,
 )
 from rlhf_cli.errors import DataError
-from rlhf_cli.recipe import DataSource, PromptSource
+from rlhf_cli.recipe import AuditSection, DataSource, PromptSource
 
 HH_ONE = "\n\nHuman: What is X?\n\nAssistant: It is Y."
 HH_MULTI = (
@@ -189,14 +190,18 @@ def test_unknown_hub_name_is_a_data_error(tmp_path: Path) -> None:
         load_rows(DataSource(path="nobody/nothing-here"), cache_dir=tmp_path / "c")
 
 
+GOOD_PAIR = {"prompt": "P", "chosen": "good", "rejected": "bad"}
+
+
 # ── preferences ─────────────────────────────────────────────────────────────────────────────
 
 
 def test_preferences_explicit_shape(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "P", "chosen": "good", "rejected": "bad"}])
-    assert load_preferences(DataSource(path=str(path)), tmp_path / "c") == [
-        {"prompt": "P", "chosen": "good", "rejected": "bad"}
-    ]
+    assert load_preferences(DataSource(path=str(path)), tmp_path / "c") == (
+        [{"prompt": "P", "chosen": "good", "rejected": "bad"}],
+        0,
+    )
 
 
 def test_preferences_hh_shape(tmp_path: Path) -> None:
@@ -207,7 +212,7 @@ def test_preferences_hh_shape(tmp_path: Path) -> None:
             {"chosen": HH_MULTI, "rejected": HH_MULTI_BAD},
         ],
     )
-    pairs = load_preferences(DataSource(path=str(path)), tmp_path / "c")
+    pairs, _ = load_preferences(DataSource(path=str(path)), tmp_path / "c")
     assert pairs[0] == {"prompt": "What is X?", "chosen": "It is Y.", "rejected": "Dunno."}
     assert pairs[1]["prompt"].endswith("\n\nHuman: Cooking rice.")
     assert (pairs[1]["chosen"], pairs[1]["rejected"]) == ("Rinse it first.", "No.")
@@ -222,10 +227,10 @@ def test_preferences_missing_column(tmp_path: Path) -> None:
 
 
 def test_shipped_tiny_preferences(repo_root: Path, tmp_path: Path) -> None:
-    pairs = load_preferences(
+    pairs, same = load_preferences(
         DataSource(path=str(repo_root / "data/tiny/preferences.jsonl")), tmp_path / "c"
     )
-    assert len(pairs) == 400
+    assert len(pairs) == 400 and same == 0
     assert all(p["chosen"] != p["rejected"] for p in pairs)
 
 
@@ -308,3 +313,72 @@ def test_held_out_prompts_are_a_fixed_share_the_same_for_every_run():
     assert held != prompts[-10:] and held != prompts[:10]  # a draw, not a slice
     assert split_heldout(prompts, 0.0) == (prompts, [])
     assert len(split_heldout(prompts[:3], 0.01)[1]) == 1  # at least one when asked
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        (
+            [GOOD_PAIR, {"prompt": "P", "chosen": "good", "rejected": None}],
+            "row 2: `rejected` must be text, it holds nothing",
+        ),
+        ([GOOD_PAIR, {"prompt": "P", "chosen": "good"}], "row 2: `rejected` must be text"),
+        (
+            [{"prompt": "P", "chosen": 3, "rejected": "bad"}],
+            "row 1: `chosen` must be text, it holds int",
+        ),
+        ([{"prompt": ["P"], "chosen": "a", "rejected": "b"}], "row 1: `prompt` must be text"),
+        (
+            [{"prompt": "P", "chosen": "same", "rejected": "same"}],
+            "every pair's chosen and rejected",
+        ),
+    ],
+)
+def test_preference_rows_that_cannot_teach_are_refused(tmp_path: Path, rows, message) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(DataError, match=message):
+        load_preferences(DataSource(path=str(path)), tmp_path / "c")
+
+
+def test_pairs_with_the_same_two_answers_are_skipped_and_counted(tmp_path: Path) -> None:
+    same = {"prompt": "P", "chosen": "same", "rejected": "same "}
+    path = write_jsonl(tmp_path / "p.jsonl", [GOOD_PAIR, same, same])
+    assert load_preferences(DataSource(path=str(path)), tmp_path / "c") == ([GOOD_PAIR], 2)
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "Hi there"}, "row 2: `response` must be text, it holds nothing"),
+        ({"prompt": "Hi there", "response": None}, "row 2: `response` must be text"),
+        ({"prompt": "Hi there", "response": "  "}, "row 2: `response` must be text"),
+        ({"prompt": None, "response": "Hello"}, "row 2: `prompt` must be text"),
+    ],
+)
+def test_sft_rows_without_their_text_are_refused(tmp_path: Path, row, message) -> None:
+    path = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "Q", "response": "A"}, row])
+    with pytest.raises(DataError, match=message):
+        load_sft(DataSource(path=str(path)), chat=True, cache_dir=tmp_path / "c")
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"prompt": "a", "response": "b"}\n{"prompt": \n', "s.jsonl:2: not valid JSON"),
+        (b"\n\n   \n", "s.jsonl' is empty"),
+        (b'{"prompt": "a", "response": "b"}\n\xff\xfe\n', "s.jsonl:2: not UTF-8 text"),
+        (b'{"prompt": "a", "response": "b"}\n[1, 2]\n', "s.jsonl:2: a row must be a JSON object"),
+    ],
+)
+def test_damaged_jsonl_names_the_file_and_line(tmp_path: Path, content, message) -> None:
+    path = tmp_path / "s.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        load_sft(DataSource(path=str(path)), chat=True, cache_dir=tmp_path / "c")
+
+
+def test_a_non_utf8_audit_prompts_file_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(b"a fine prompt\nanother \xe9t\xe9\n")
+    with pytest.raises(DataError, match="prompts.txt:2: not UTF-8 text"):
+        audit_prompts(AuditSection.model_construct(prompts_file=str(path)))

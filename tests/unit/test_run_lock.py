@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -51,3 +52,31 @@ def test_a_stale_lock_is_taken_over_and_released(tmp_path):
         assert f'"pid": {os.getpid()}' in (run.path / ".lock").read_text()
     assert not (run.path / ".lock").exists()
     assert run.read_manifest("sft")["status"] == "completed"
+
+
+def test_a_lock_whose_pid_now_belongs_to_another_program_is_stale(tmp_path):
+    """The lock records when its process started: a live process under the same pid that
+    started at another time is not the holder (pid reuse), so the run is not busy forever."""
+    from rlhf_cli.rundir import _process_start
+
+    recipe = _recipe(tmp_path)
+    run = RunDir.for_recipe(recipe)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = _process_start(other.pid)
+        if started is None:
+            pytest.skip("no /proc here: the pid check is all there is")
+        run.path.mkdir(parents=True)
+        lock = {"pid": other.pid, "started": str(int(started) - 1), "command": "rlhf ppo"}
+        (run.path / ".lock").write_text(json.dumps(lock))
+        with StageRecord(run, "sft", recipe, inputs={}):
+            pass
+        assert run.read_manifest("sft")["status"] == "completed"
+        # the same pid with its true start time holds the run
+        (run.path / ".lock").write_text(json.dumps({**lock, "started": started}))
+        with pytest.raises(StageError, match=f"busy: pid {other.pid}"):
+            with StageRecord(run, "sft", recipe, inputs={}):
+                pass
+    finally:
+        other.kill()
+        other.wait()

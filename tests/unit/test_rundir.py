@@ -113,7 +113,10 @@ def test_completed_manifest_has_every_field(run: RunDir, recipe: Recipe) -> None
 
 
 def test_failed_stage_records_the_error(run: RunDir, recipe: Recipe) -> None:
-    with pytest.raises(ValueError), StageRecord(run, "rm", recipe, inputs={}):
+    with StageRecord(run, "sft", recipe, inputs={}):
+        pass  # the run has something completed
+    with pytest.raises(ValueError), StageRecord(run, "rm", recipe, inputs={}) as record:
+        record.replacing()
         raise ValueError("bad thing\nsecond line")
     manifest = run.read_manifest("rm")
     assert manifest["status"] == "failed"
@@ -122,11 +125,53 @@ def test_failed_stage_records_the_error(run: RunDir, recipe: Recipe) -> None:
 
 
 def test_keyboard_interrupt_marks_interrupted(run: RunDir, recipe: Recipe) -> None:
-    with pytest.raises(KeyboardInterrupt), StageRecord(run, "ppo", recipe, inputs={}):
+    with pytest.raises(KeyboardInterrupt), StageRecord(run, "ppo", recipe, inputs={}) as record:
+        record.replacing()
         raise KeyboardInterrupt
     manifest = run.read_manifest("ppo")
     assert manifest["status"] == "interrupted"
     assert "error" not in manifest
+
+
+def test_a_failed_rerun_keeps_the_completed_result_the_snapshot_and_latest(
+    run: RunDir, recipe: Recipe, tmp_path: Path
+) -> None:
+    with StageRecord(run, "sft", recipe, inputs={}) as record:
+        record.manifest["outputs"] = {"model": "model"}
+    snapshot = run.recipe_path().read_bytes()
+    other = RunDir(run.output_dir, "other")
+    with StageRecord(other, "sft", recipe, inputs={}):
+        pass
+    assert (run.output_dir / "LATEST").read_text().strip() == "other"
+    changed = recipe.model_copy(update={"sft": recipe.sft.model_copy(update={"epochs": 99})})
+    with pytest.raises(ValueError), StageRecord(run, "sft", changed, inputs={}):
+        raise ValueError("a bad value found at start-up")
+    manifest = run.read_manifest("sft")
+    assert manifest["status"] == "completed" and manifest["outputs"] == {"model": "model"}
+    assert manifest["last_attempt"]["status"] == "failed"
+    assert manifest["last_attempt"]["error"] == "ValueError: a bad value found at start-up"
+    assert run.recipe_path().read_bytes() == snapshot  # the next stage reads the good recipe
+    assert (run.output_dir / "LATEST").read_text().strip() == "other"
+    assert not (run.path / ".lock").exists()
+
+
+def test_a_failed_first_stage_of_a_new_run_leaves_no_folder_and_latest_alone(
+    run: RunDir, recipe: Recipe
+) -> None:
+    with StageRecord(run, "sft", recipe, inputs={}):
+        pass
+    fresh = RunDir(run.output_dir, "fresh")
+    with pytest.raises(KeyboardInterrupt), StageRecord(fresh, "sft", recipe, inputs={}):
+        raise KeyboardInterrupt
+    assert not fresh.path.exists()
+    assert (run.output_dir / "LATEST").read_text().strip() == run.name
+    # once it has replaced something, a failure is the stage's result; LATEST still names a
+    # run that completed something
+    with pytest.raises(ValueError), StageRecord(fresh, "sft", recipe, inputs={}) as record:
+        record.replacing()
+        raise ValueError("mid-training")
+    assert fresh.read_manifest("sft")["status"] == "failed"
+    assert (run.output_dir / "LATEST").read_text().strip() == run.name
 
 
 def test_write_false_leaves_no_manifest(run: RunDir, recipe: Recipe) -> None:
@@ -155,8 +200,25 @@ def test_require_not_completed_stage(run: RunDir, recipe: Recipe, status: str) -
     record.save()
     with pytest.raises(StageError) as info:
         run.require("rm", needed_by="rlhf ppo")
-    assert f"status is '{status}'" in str(info.value)
-    assert "`rlhf train-rm`" in str(info.value)
+    shown = "stopped (its process is gone)" if status == "running" else f"'{status}'"
+    assert f"status is {shown}: run `rlhf train-rm` again first" in str(info.value)
+
+
+@pytest.mark.parametrize("status", ["running", "interrupted"])
+def test_a_stopped_ppo_is_resumed_not_rerun(run: RunDir, recipe: Recipe, status: str) -> None:
+    """Plain `rlhf ppo` discards the checkpoints: the hint names --resume."""
+    with StageRecord(run, "ppo", recipe, inputs={}) as record:
+        pass
+    record.manifest["status"] = status
+    record.save()
+    with pytest.raises(StageError, match="resume it with `rlhf ppo --resume`"):
+        run.require("ppo", needed_by="rlhf merge")
+
+
+def test_a_stage_still_running_says_so(run: RunDir, recipe: Recipe) -> None:
+    with StageRecord(run, "ppo", recipe, inputs={}):  # this process holds the lock
+        with pytest.raises(StageError, match=f"still running \\(pid {os.getpid()}"):
+            run.require("ppo", needed_by="rlhf audit")
 
 
 def test_require_completed_returns_manifest_and_input_record(run: RunDir, recipe: Recipe) -> None:
@@ -233,3 +295,14 @@ def test_unserialisable_manifest_keeps_the_old_one(run: RunDir, recipe: Recipe) 
         record.save()
     assert run.manifest_path("sft").read_bytes() == before
     assert sorted(os.listdir(run.stage_dir("sft"))) == ["manifest.json"]
+
+
+def test_run_files_follow_the_umask(tmp_path: Path) -> None:
+    from rlhf_cli.rundir import atomic_write_json
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_json(tmp_path / "m.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "m.json").stat().st_mode & 0o777 == 0o644

@@ -1,0 +1,215 @@
+"""Fault injection through the command line: results another command would overwrite, stages
+that fail on a re-run, files the tool wrote itself found damaged, unreadable or non-UTF-8 inputs,
+rows that cannot teach, and signals. Each case asserts the exit code, a one-line message that
+names what is wrong, and that earlier results are intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rlhf_cli.cli import app
+from rlhf_cli.recipe import load_recipe
+from rlhf_cli.rundir import RunDir, StageRecord
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def one_line_error(result, *needles: str) -> str:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def completed(run: RunDir, stage: str, recipe, outputs: dict[str, str]) -> dict:
+    """A completed stage as the run directory records it."""
+    with StageRecord(run, stage, recipe, inputs={}) as record:
+        record.manifest["outputs"] = outputs
+    return run.read_manifest(stage)
+
+
+# ── results lost ──────────────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize("stem", ["ppo", "manifest"])
+def test_audit_of_a_file_never_replaces_a_policy_audit_or_the_manifest(
+    make_recipe, chdir_tmp, stem
+):
+    path = make_recipe()
+    recipe = load_recipe(path)
+    run = RunDir.for_recipe(recipe)
+    policy_audit = {"n_responses": 5, "hacking_detected": False}
+    with StageRecord(run, "audit", recipe, inputs={}) as record:
+        (record.dir / "ppo.json").write_text(json.dumps(policy_audit))
+        record.manifest["outputs"] = {"ppo": "ppo.json"}
+        record.manifest["reports"] = {"ppo": {"n_responses": 5}}
+    rows = [{"prompt": "How are you?", "response": "Fine, thanks for asking."}]
+    responses = chdir_tmp / f"{stem}.jsonl"
+    responses.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = invoke("audit", "--responses", str(responses), "--recipe", str(path), "--json")
+    assert result.exit_code == 0, result.output
+    folder = run.stage_dir("audit")
+    assert json.loads((folder / "ppo.json").read_text()) == policy_audit
+    manifest = run.read_manifest("audit")
+    assert manifest["stage"] == "audit" and manifest["status"] == "completed"
+    assert manifest["outputs"] == {"ppo": "ppo.json", f"responses-{stem}": f"responses-{stem}.json"}
+    assert manifest["reports"]["ppo"] == {"n_responses": 5}  # what push puts in the card
+
+
+def test_a_failed_rerun_keeps_the_completed_stage_and_latest(make_recipe, chdir_tmp):
+    good = load_recipe(make_recipe())
+    run = RunDir.for_recipe(good)
+    before = completed(run, "sft", good, {"model": "model"})
+    other = load_recipe(make_recipe({"run": {"name": "other"}}, name="other.yaml"))
+    completed(RunDir.for_recipe(other), "sft", other, {"model": "model"})
+    bad_data = chdir_tmp / "bad.jsonl"
+    bad_data.write_text('{"prompt": "a", "response": "b"}\n{"prompt": \n')
+    bad = make_recipe({"data": {"sft": {"path": str(bad_data)}}}, name="bad.yaml")
+    one_line_error(invoke("sft", "--recipe", str(bad)), "bad.jsonl:2: not valid JSON")
+    manifest = run.read_manifest("sft")
+    assert manifest["status"] == "completed" and manifest["outputs"] == before["outputs"]
+    assert manifest["last_attempt"]["status"] == "failed"
+    assert "bad.jsonl" not in run.recipe_path().read_text()  # the snapshot is the good recipe
+    assert (run.output_dir / "LATEST").read_text().strip() == "other"
+
+
+def test_a_failed_first_stage_of_a_new_run_leaves_nothing_behind(make_recipe, chdir_tmp):
+    bad_data = chdir_tmp / "bad.jsonl"
+    bad_data.write_bytes(b'{"prompt": "a", "response": "b"}\n\xff\xfe\n')
+    bad = make_recipe({"data": {"sft": {"path": str(bad_data)}}})
+    one_line_error(invoke("sft", "--recipe", str(bad)), "bad.jsonl:2: not UTF-8 text")
+    run = RunDir.for_recipe(load_recipe(bad))
+    assert not run.path.exists() and not (run.output_dir / "LATEST").exists()
+
+
+def test_hints_after_an_interrupted_ppo_name_resume(make_recipe, chdir_tmp):
+    path = make_recipe()
+    recipe = load_recipe(path)
+    run = RunDir.for_recipe(recipe)
+    completed(run, "sft", recipe, {"model": "model"})
+    with pytest.raises(KeyboardInterrupt), StageRecord(run, "ppo", recipe, {}) as record:
+        record.replacing()
+        raise KeyboardInterrupt
+    for command in ("merge", "audit"):
+        one_line_error(invoke(command, "--recipe", str(path)), "`rlhf ppo --resume`")
+
+
+# ── files the tool wrote, damaged ────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize("command", ["merge", "audit", "report"])
+def test_a_truncated_ppo_manifest_is_one_line(make_recipe, chdir_tmp, command):
+    path = make_recipe()
+    recipe = load_recipe(path)
+    run = RunDir.for_recipe(recipe)
+    completed(run, "sft", recipe, {"model": "model"})
+    text = json.dumps(completed(run, "ppo", recipe, {"adapter": "adapter"}))
+    run.manifest_path("ppo").write_text(text[: len(text) // 2])
+    (run.stage_dir("ppo") / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    args = [command] if command == "report" else [command, "--recipe", str(path)]
+    one_line_error(invoke(*args), "ppo/manifest.json is unreadable")
+
+
+def test_a_damaged_metrics_line_in_the_middle_is_one_line(make_recipe, chdir_tmp):
+    recipe = load_recipe(make_recipe())
+    run = RunDir.for_recipe(recipe)
+    completed(run, "ppo", recipe, {"adapter": "adapter"})
+    (run.stage_dir("ppo") / "metrics.jsonl").write_text(
+        '{"iteration": 1, "env/reward_mean": 0.1}\n{"itera\n{"iteration": 3}\n'
+    )
+    one_line_error(invoke("report"), "metrics.jsonl:2: not a JSON object")
+
+
+def test_an_unreadable_latest_is_one_line(make_recipe, chdir_tmp):
+    recipe = load_recipe(make_recipe())
+    completed(RunDir.for_recipe(recipe), "sft", recipe, {"model": "model"})
+    (Path(recipe.run.output_dir) / "LATEST").write_bytes(b"\xff\xfe\x00garbage\n")
+    result = invoke("merge")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+
+
+# ── inputs the machine or the user got wrong ─────────────────────────────────────────────────
+
+
+def test_an_output_dir_that_is_a_file_is_refused_by_validate(make_recipe, chdir_tmp):
+    (chdir_tmp / "taken").write_text("a file")
+    path = make_recipe({"run": {"output_dir": str(chdir_tmp / "taken")}})
+    result = invoke("validate", "--recipe", str(path))
+    assert result.exit_code == 2 and "is a file, not a folder" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_run_folder_is_one_line(make_recipe, chdir_tmp):
+    path = make_recipe()
+    recipe = load_recipe(path)
+    run = RunDir.for_recipe(recipe)
+    completed(run, "sft", recipe, {"model": "model"})
+    os.chmod(run.path, 0o555)
+    try:
+        one_line_error(invoke("train-rm", "--recipe", str(path)), str(run.path))
+    finally:
+        os.chmod(run.path, 0o755)
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "Is this fine?", "chosen": "Yes, it is.", "rejected": None}, "`rejected`"),
+        ({"prompt": "Is this fine?", "chosen": "Yes, it is."}, "`rejected` must be text"),
+    ],
+)
+def test_preference_rows_without_an_answer_are_refused(make_recipe, chdir_tmp, row, message):
+    data = chdir_tmp / "prefs.jsonl"
+    good = {"prompt": "Hello?", "chosen": "Hi, how can I help?", "rejected": "What."}
+    data.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    path = make_recipe({"data": {"preferences": {"path": str(data)}}})
+    one_line_error(invoke("train-rm", "--recipe", str(path)), "prefs.jsonl: row 2", message)
+
+
+@pytest.mark.parametrize("response", [None, 3, ["a list"]])
+def test_audit_rows_that_are_not_text_are_refused(make_recipe, chdir_tmp, response):
+    data = chdir_tmp / "answers.jsonl"
+    data.write_text(json.dumps({"prompt": "Hi?", "response": response}) + "\n")
+    result = invoke("audit", "--responses", str(data), "--recipe", str(make_recipe()))
+    one_line_error(result, "answers.jsonl:1: a row needs `prompt` and `response` as text")
+
+
+# ── signals ──────────────────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.slow
+def test_sigterm_during_sft_leaves_an_honest_manifest_and_no_lock(make_recipe, chdir_tmp):
+    path = make_recipe({"sft": {"epochs": 200}})
+    run = RunDir.for_recipe(load_recipe(path))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhf_cli.cli", "sft", "--recipe", str(path), "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=chdir_tmp,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not (run.stage_dir("sft") / "metrics.jsonl").exists():  # training has begun
+            assert time.time() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "nothing was saved" in err
+    assert run.read_manifest("sft")["status"] == "interrupted"
+    assert not (run.path / ".lock").exists()
