@@ -85,7 +85,7 @@ bench-peer: $(STAMP)
 bench-learn: $(STAMP)
 	$(PY) bench/bench_learn.py --out bench/learn.json
 
-LINTED := rlhf_cli tests scripts bench
+LINTED := rlhf_cli tests scripts bench examples
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)

@@ -107,6 +107,12 @@ def resolve_recipe(recipe: Path | None, runs_dir: Path, sets: list[str] | None =
     latest = RunDir.latest(runs_dir)
     if latest is not None and latest.recipe_path().is_file():
         return load_recipe(latest.recipe_path(), sets)
+    runs = sorted(p.parent.name for p in runs_dir.glob("*/recipe.yaml"))
+    if runs:  # never guess among them (the embedded default could name one of them)
+        raise RlhfError(
+            f"{runs_dir / 'LATEST'} does not name a run, and {runs_dir} holds "
+            f"{', '.join(runs[:5])}{', ...' if len(runs) > 5 else ''}: pass --recipe"
+        )
     return load_recipe(default_recipe_path(), sets)
 
 
@@ -314,6 +320,41 @@ def push(
             f"{'would push' if dry_run else 'pushed'} {result['folder']} → "
             f"{result.get('url', result['repo_id'])}"
         )
+
+
+@app.command()
+@_exit_on_errors
+def status(
+    run: Annotated[str | None, typer.Argument(help="Run name (default: the latest run).")] = None,
+    every: Annotated[bool, typer.Option("--all", help="List every run instead.")] = False,
+    as_json: JsonOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
+    """Where a run stands: each stage's status, when, key numbers, and what to run next."""
+    from rlhf_cli.stages.status import all_runs, run_status
+
+    result: Any = all_runs(runs_dir) if every else run_status(RunDir.named_or_latest(runs_dir, run))
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    out = Console(highlight=False)
+    if every:
+        table = Table("run", "completed stages", "next")
+        for row in result:
+            name = row["run"] + (" (latest)" if row["latest"] else "")
+            table.add_row(name, ", ".join(row["completed"]) or "—", row["next"] or "—")
+        out.print(table)
+        return
+    table = Table("stage", "status", "finished", "key numbers", title=f"run '{result['run']}'")
+    for row in result["stages"]:
+        shown = row["status"] + (f" (pid {row['pid']})" if "pid" in row else "")
+        if "last_attempt" in row:
+            shown += f"; last attempt {row['last_attempt']}"
+        numbers = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in row.get("metrics", {}).items())  # fmt: skip
+        table.add_row(row["stage"], shown, row.get("finished_at") or "", numbers)
+    out.print(table)
+    out.print(f"next: {result['next']}" if result["next"] else "next: nothing to run now")
 
 
 @app.command()

@@ -237,6 +237,33 @@ class SftSection(Section):
     )
 
 
+class RewardFunctionSpec(Section):
+    function: str = _f(
+        ...,
+        "`module:callable` (importable, or a `.py` file relative to the recipe) taking "
+        "(prompts, responses) and returning one float per response.",
+    )
+    weight: float = _f(1.0, "Multiplies this function's rewards before they are summed.")
+
+    @field_validator("function")
+    @classmethod
+    def _importable(cls, value: str, info: ValidationInfo) -> str:
+        from rlhf_cli.rewards import load_reward_function
+
+        module, sep, name = value.rpartition(":")
+        if not sep or not module or not name:
+            raise ValueError(f"write it as module:callable, not {value!r}")
+        if module.endswith(".py"):
+            file = Path(module).expanduser()
+            if not file.is_absolute():
+                file = Path((info.context or {}).get("base_dir", ".")) / file
+            if not file.is_file():
+                raise ValueError(f"reward function file not found: {file}")
+            value = f"{file.resolve()}:{name}"
+        load_reward_function(value)  # a recipe that validates can score
+        return value
+
+
 class RewardSection(Section):
     pretrained: str | None = _f(
         None, "A frozen, already-trained reward model; when set, `train-rm` is skipped."
@@ -261,6 +288,19 @@ class RewardSection(Section):
     logging_steps: int = _f(10, "Log every N optimiser steps.", gt=0)
     lora: LoraSection = _f(LoraSection(enabled=False), "LoRA for the reward backbone (off: full).")
     score_batch_size: int = _f(16, "Texts per reward forward pass during PPO and audit.", gt=0)
+    functions: list[RewardFunctionSpec] = _f(
+        [],
+        "Rule-based rewards added to the reward model's score, each times its weight (TRL's "
+        "`reward_funcs`); with no reward model they are the whole reward.",
+    )
+    url: str | None = _f(
+        None,
+        "A remote reward model over HTTP (OpenRLHF's remote_rm_url protocol: POST "
+        "{query, prompts, responses}, read {rewards}); added to the other rewards.",
+        pattern=r"^https?://",
+    )
+    url_timeout: float = _f(30.0, "Seconds to wait for each answer of `reward.url`.", gt=0.0)
+    url_retries: int = _f(2, "Retries of a failed `reward.url` request before exit 2.", ge=0)
 
     @field_validator("pretrained", "base_model", "tokenizer")
     @classmethod
@@ -276,12 +316,23 @@ class RewardSection(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardSection:
-        if (self.pretrained is None) == (self.base_model is None):
+        if self.pretrained is not None and self.base_model is not None:
             raise ValueError(
-                "pretrained: set exactly one of reward.pretrained (a frozen, trained "
-                "reward model) or reward.base_model (to run `rlhf train-rm`)"
+                "pretrained: set one of reward.pretrained (a frozen, trained reward model) or "
+                "reward.base_model (to run `rlhf train-rm`), not both"
             )
+        if self.pretrained is None and self.base_model is None and not self.functions:
+            if self.url is None:
+                raise ValueError(
+                    "pretrained: set reward.pretrained (a frozen, trained reward model), "
+                    "reward.base_model (to run `rlhf train-rm`), reward.functions "
+                    "(rule-based) or reward.url (remote)"
+                )
         return self
+
+    @property
+    def has_model(self) -> bool:
+        return self.pretrained is not None or self.base_model is not None
 
 
 class GenerationSection(Section):

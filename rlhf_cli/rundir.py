@@ -163,7 +163,7 @@ class RunDir:
             try:
                 fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                holder = _lock_holder(lock)
+                holder = lock_holder(lock)
                 if holder is not None:
                     raise StageError(
                         f"run '{self.name}' is busy: pid {holder['pid']} "
@@ -219,7 +219,7 @@ class RunDir:
         status = manifest.get("status")
         if status == "completed":
             return manifest
-        holder = _lock_holder(self.path / ".lock") if status == "running" else None
+        holder = lock_holder(self.path / ".lock") if status == "running" else None
         if holder is not None:
             raise StageError(
                 f"{needed_by} needs the {stage} stage of run '{self.name}', which is still "
@@ -264,7 +264,7 @@ def _process_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[-1].split()[19]
 
 
-def _lock_holder(lock: Path) -> dict[str, Any] | None:
+def lock_holder(lock: Path) -> dict[str, Any] | None:
     """The live holder of a lock file, or None when the lock is stale: its process is gone, or
     its pid now belongs to a process started later (another program)."""
     try:

@@ -8,21 +8,26 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from rlhf_cli.generation import position_ids_from
+from rlhf_cli.rewards import RewardFn, call_reward_function
 
 
 @dataclass
 class RewardScorer:
+    """The reward: the reward model's score of each text (when there is a model) plus each
+    rule-based function's reward times its weight (`functions`: (spec, callable, weight))."""
+
     model: Any
     tokenizer: Any
     template: str
     max_length: int
     batch_size: int = 16
+    functions: list[tuple[str, RewardFn, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """Make the model pad with the tokenizer's pad id, once, for every path that scores.
@@ -115,7 +120,17 @@ class RewardScorer:
 
     @torch.inference_mode()
     def score(self, prompts: list[str], responses: list[str]) -> tuple[torch.Tensor, int]:
-        """Scores (n,) float32 on the CPU, and the number of truncated inputs.
+        """Rewards (n,) float32 on the CPU, and the number of truncated reward-model inputs."""
+        if self.model is None:
+            total, n_truncated = torch.zeros(len(responses)), 0
+        else:
+            total, n_truncated = self.model_scores(prompts, responses)
+        for spec, fn, weight in self.functions:
+            total = total + weight * call_reward_function(spec, fn, prompts, responses)
+        return total, n_truncated
+
+    def model_scores(self, prompts: list[str], responses: list[str]) -> tuple[torch.Tensor, int]:
+        """The reward model's scores (n,) float32 on the CPU, and the number of truncated inputs.
 
         Left-padded batches also get positions counted over real tokens (where the model's
         forward takes `position_ids`), so a model with absolute positions scores a text the same

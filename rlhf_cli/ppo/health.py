@@ -185,3 +185,11 @@ def ranges_markdown() -> str:
         for r in RANGES.values()
     ]
     return "\n".join(lines)
+
+
+def rules_markdown() -> str:
+    """The table of `docs/troubleshooting.md`: each warning the loop prints, the metric that
+    shows it and the guide's fix."""
+    lines = ["| warning (`kind`) | metric | when it fires | fix |", "|---|---|---|---|"]
+    lines += [f"| `{r.kind}` | `{r.metric}` | {r.danger} | {r.fix} |" for r in RULES]
+    return "\n".join(lines)

@@ -62,8 +62,8 @@ class PpoSources(NamedTuple):
     base: str  # policy base weights
     sft_adapter: Path | None  # SFT adapter merged into the base, if any
     tokenizer: str
-    reward: str  # the frozen reward model
-    reward_tokenizer: str
+    reward: str | None  # the frozen reward model (None: `reward.functions` alone)
+    reward_tokenizer: str | None
 
 
 def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str, Any]:
@@ -415,10 +415,13 @@ def build_actor(
         actor = PolicyAndValue(policy, value_head=zero_value_head(hidden_size_of(policy)))
     else:
         from_reward = cfg.value_init == "reward_model"
-        if from_reward and scorer.tokenizer.get_vocab() != tokenizer.get_vocab():
+        if from_reward and (
+            scorer.tokenizer is None or scorer.tokenizer.get_vocab() != tokenizer.get_vocab()
+        ):
             raise ModelLoadError(
                 "ppo.value_init: reward_model needs a reward model that shares "
-                "the policy's tokenizer; use value_init: policy"
+                "the policy's tokenizer (reward.functions alone have none); use "
+                "value_init: policy"
             )
         source = resolve_model_path(sources.reward if from_reward else sources.base)
         # The critic follows the policy's settings: 4-bit base + LoRA, LoRA, or fp32 weights.
@@ -473,6 +476,8 @@ def check_fit(recipe: Recipe, policy: Any, reward_model: Any, reward_tokenizer: 
             f"ppo.generation.max_new_tokens ({recipe.ppo.generation.max_new_tokens})"
             f" = {need} exceeds the policy's context of {context} tokens"
         )
+    if reward_model is None:  # rule-based rewards only
+        return
     rm_context = getattr(reward_model.config, "max_position_embeddings", None)
     if rm_context and recipe.reward.max_length > rm_context:
         raise DataError(

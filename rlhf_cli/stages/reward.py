@@ -59,6 +59,11 @@ def run_train_rm(recipe: Recipe, console: Console) -> dict[str, Any]:
             f"reward.pretrained is set ({cfg.pretrained}): there is no reward model "
             "to train, `rlhf ppo` uses it directly"
         )
+    if cfg.base_model is None:
+        raise StageError(
+            "reward.base_model is not set: there is no reward model to train, `rlhf ppo` "
+            "uses reward.functions alone"
+        )
     is_main = PartialState().is_main_process
     seed_everything(recipe.run.seed)
     device = pick_device(recipe.run.device)

@@ -49,8 +49,11 @@ def policy_source(
 
 def reward_source(
     recipe: Recipe, run: RunDir, inputs: dict[str, Any], needed_by: str = "rlhf ppo"
-) -> tuple[str, str]:
-    """(reward model, reward tokenizer): the recipe's frozen model or the train-rm output."""
+) -> tuple[str | None, str | None]:
+    """(reward model, reward tokenizer): the recipe's frozen model or the train-rm output;
+    (None, None) when the reward is `reward.functions` alone."""
+    if not recipe.reward.has_model:
+        return None, None
     if recipe.reward.pretrained is not None:
         name = recipe.reward.pretrained
         return name, recipe.reward.tokenizer or name
@@ -102,7 +105,8 @@ def load_trained_policy(
     if source is None:
         run.require("ppo", "this command")
     if not folder.is_dir():
-        raise StageError(f"{folder} does not exist")
+        what = "is a file, not" if folder.exists() else "does not exist: give"
+        raise StageError(f"{folder} {what} a PPO run, checkpoint, adapter or model folder")
     kind = _kind(folder)
     base, sft_adapter, tok_source = policy_source(recipe, run, {}, "this command")
     if kind in ("merged", "ppo"):
@@ -140,23 +144,39 @@ def load_trained_policy(
 
 
 def load_scorer(recipe: Recipe, run: RunDir, device: torch.device) -> RewardScorer | None:
-    """The run's reward model as a scorer; None when the run has none (no `rm` stage and no
-    `reward.pretrained`). A failed or damaged `rm` stage is an error, not a silent None."""
-    if recipe.reward.pretrained is None and run.read_manifest("rm") is None:
+    """The run's reward (model and functions) as a scorer; None when the run has none (no `rm`
+    stage, no `reward.pretrained`, no functions). A failed or damaged `rm` stage is an error,
+    not a silent None."""
+    cfg = recipe.reward
+    no_model = cfg.pretrained is None and run.read_manifest("rm") is None
+    if no_model and not (cfg.functions or cfg.url):
         return None
+    if no_model:
+        return frozen_scorer(cfg, None, None, device)
     path, tok = reward_source(recipe, run, {}, "this command")
     return frozen_scorer(recipe.reward, path, tok, device)
 
 
 def frozen_scorer(
-    cfg: RewardSection, model_path: str, tokenizer_path: str, device: torch.device
+    cfg: RewardSection, model_path: str | None, tokenizer_path: str | None, device: torch.device
 ) -> RewardScorer:
     """A frozen reward model (eval mode, dropout off) with its own tokenizer (right padding)
-    as a scorer of `cfg.template` texts."""
-    model = freeze(load_reward_model(model_path, device, cfg.dtype, cfg.trust_remote_code))
-    set_dropout(model, 0.0)
-    tokenizer = load_tokenizer(tokenizer_path, cfg.trust_remote_code, "right")
-    return RewardScorer(model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size)
+    as a scorer of `cfg.template` texts, plus `reward.functions` and `reward.url`; those alone
+    when `model_path` is None."""
+    from rlhf_cli.rewards import RemoteReward, load_reward_function
+
+    functions = [(f.function, load_reward_function(f.function), f.weight) for f in cfg.functions]
+    if cfg.url is not None:
+        remote = RemoteReward(cfg.url, cfg.template, cfg.url_timeout, cfg.url_retries)
+        functions.append((cfg.url, remote, 1.0))
+    model = tokenizer = None
+    if model_path is not None:
+        model = freeze(load_reward_model(model_path, device, cfg.dtype, cfg.trust_remote_code))
+        set_dropout(model, 0.0)
+        tokenizer = load_tokenizer(tokenizer_path or model_path, cfg.trust_remote_code, "right")
+    return RewardScorer(
+        model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size, functions
+    )
 
 
 def check_engine(gen: GenerationSection, recipe: Recipe) -> None:

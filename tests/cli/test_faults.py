@@ -213,3 +213,37 @@ def test_sigterm_during_sft_leaves_an_honest_manifest_and_no_lock(make_recipe, c
     assert "Traceback" not in err and "nothing was saved" in err
     assert run.read_manifest("sft")["status"] == "interrupted"
     assert not (run.path / ".lock").exists()
+
+
+def test_auditing_a_file_says_it_is_a_file(make_recipe, chdir_tmp):
+    readme = chdir_tmp / "README.md"
+    readme.write_text("# not a model\n")
+    result = invoke("audit", str(readme), "--recipe", str(make_recipe()))
+    one_line_error(result, "README.md is a file, not a PPO run, checkpoint, adapter or model")
+
+
+def test_without_latest_no_run_is_guessed(make_recipe, chdir_tmp):
+    recipe = load_recipe(make_recipe())
+    completed(RunDir.for_recipe(recipe), "sft", recipe, {"model": "model"})
+    (chdir_tmp / "runs" / "LATEST").unlink()
+    one_line_error(invoke("merge"), "runs/LATEST does not name a run", "holds tiny", "--recipe")
+
+
+def test_status_after_an_interrupted_ppo_names_resume(make_recipe, chdir_tmp):
+    recipe = load_recipe(make_recipe())
+    run = RunDir.for_recipe(recipe)
+    for stage in ("sft", "rm"):
+        completed(run, stage, recipe, {"model": "model"})
+    with pytest.raises(KeyboardInterrupt), StageRecord(run, "ppo", recipe, {}) as record:
+        record.replacing()
+        raise KeyboardInterrupt
+    result = invoke("status", "--json")
+    assert result.exit_code == 0, result.output
+    status = json.loads(result.stdout)
+    assert status["next"] == "rlhf ppo --resume"
+    assert [r["status"] for r in status["stages"]][:3] == ["completed", "completed", "interrupted"]
+    human = invoke("status")
+    assert "next: rlhf ppo --resume" in human.stdout
+    listing = json.loads(invoke("status", "--all", "--json").stdout)
+    assert listing[0]["run"] == "tiny" and listing[0]["latest"]
+    assert listing[0]["completed"] == ["sft", "rm"]

@@ -60,3 +60,12 @@ def test_bands_say_what_the_guide_says():
     ) == (True, True, False, False)
     assert (entropy.healthy_now(3.0), entropy.healthy_now(2.99)) == (True, False)
     assert RANGES["env/reward_mean"].healthy_now(-5.0) is None  # a trend, not a band
+
+
+def test_the_troubleshooting_table_is_the_rules_the_loop_checks():
+    from pathlib import Path
+
+    from rlhf_cli.ppo.health import rules_markdown
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md"
+    assert rules_markdown() in doc.read_text(), "paste rules_markdown() into troubleshooting.md"

@@ -193,7 +193,7 @@ def test_embedded_default_recipe_validates(repo_root: Path) -> None:
             "  base_model: builtin:minilm\n  pretrained: builtin:x\n",
             "reward.pretrained",
             15,
-            "exactly one of",
+            "not both",
         ),
     ],
     ids=[

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -318,3 +320,174 @@ def test_reward_truncation_is_counted_not_silent():
     assert ids[1][-len(response) - 1 : -1] == response
     assert ids[1][-1] == tokenizer.sep_token_id and ids[1][0] == tokenizer.cls_token_id
     assert ids[1][1 : -len(response) - 1] == [tokenizer.convert_tokens_to_ids("long")] * 12
+
+
+# ── rule-based reward functions ──────────────────────────────────────────────────────────────
+
+
+def _reward_file(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "my_rewards.py"
+    path.write_text(body)
+    return path
+
+
+def test_reward_functions_are_summed_with_their_weights(tmp_path: Path) -> None:
+    from rlhf_cli.rewards import load_reward_function
+    from rlhf_cli.scoring import RewardScorer
+
+    path = _reward_file(
+        tmp_path,
+        "def length(prompts, responses):\n    return [len(r) for r in responses]\n"
+        "def one(prompts, responses):\n    return [1] * len(responses)\n",
+    )
+    specs = [f"{path}:length", f"{path}:one"]
+    functions = [(s, load_reward_function(s), w) for s, w in zip(specs, (0.5, -2.0), strict=True)]
+    scorer = RewardScorer(None, None, "{prompt} {response}", 64, functions=functions)
+    scores, truncated = scorer.score(["p", "q"], ["abcd", "ab"])
+    assert scores.tolist() == [0.5 * 4 - 2.0, 0.5 * 2 - 2.0] and truncated == 0
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("def f(p, r):\n    return [1.0]\n", "returned 1 rewards for 2 responses"),
+        ("def f(p, r):\n    return [float('nan')] * len(r)\n", "returned a non-finite reward"),
+        ("def f(p, r):\n    return [None] * len(r)\n", "failed: "),
+        ("def f(p, r):\n    raise KeyError('boom')\n", "failed: 'boom'"),
+    ],
+)
+def test_a_reward_function_that_misbehaves_is_named(tmp_path: Path, body, message) -> None:
+    from rlhf_cli.errors import DataError
+    from rlhf_cli.rewards import load_reward_function
+    from rlhf_cli.scoring import RewardScorer
+
+    spec = f"{_reward_file(tmp_path, body)}:f"
+    scorer = RewardScorer(
+        None, None, "{prompt}{response}", 8, functions=[(spec, load_reward_function(spec), 1.0)]
+    )
+    with pytest.raises(DataError, match=f"reward function .*my_rewards.py:f {message}"):
+        scorer.score(["a", "b"], ["x", "y"])
+
+
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        ("my_rewards.py:missing", "has no callable 'missing'"),
+        ("nowhere.py:f", "reward function file not found"),
+        ("no_such_module_xyz:f", "cannot import no_such_module_xyz"),
+        ("just_a_name", "write it as module:callable"),
+    ],
+)
+def test_a_reward_function_that_cannot_load_fails_validation(
+    make_recipe, tmp_path: Path, function, message
+) -> None:
+    from rlhf_cli.errors import RecipeError
+    from rlhf_cli.recipe import load_recipe
+
+    _reward_file(tmp_path, "def f(p, r):\n    return [0.0] * len(r)\n")
+    path = make_recipe({"reward": {"functions": [{"function": function}]}})
+    with pytest.raises(RecipeError, match=f"reward.functions.0.function: .*{message}"):
+        load_recipe(path)
+
+
+def test_the_reward_needs_a_model_or_functions(make_recipe) -> None:
+    from rlhf_cli.errors import RecipeError
+    from rlhf_cli.recipe import load_recipe
+
+    path = make_recipe({"reward": {"base_model": None}})
+    with pytest.raises(RecipeError, match="reward.functions"):
+        load_recipe(path)
+    example = Path(__file__).resolve().parents[2] / "examples" / "rewards.py"
+    fine = make_recipe(
+        {"reward": {"base_model": None, "functions": [{"function": f"{example}:politeness"}]}},
+        name="fine.yaml",
+    )
+    assert not load_recipe(fine).reward.has_model
+
+
+# ── a remote reward model over HTTP ──────────────────────────────────────────────────────────
+
+
+@pytest.fixture
+def reward_server():
+    """`serve(answer)`: a local HTTP server whose POST handler returns `answer(request)` (bytes)
+    and counts its requests; yields its URL."""
+    import http.server
+    import json
+    import threading
+
+    servers = []
+
+    def serve(answer):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (the stdlib's name)
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append(request)
+                body = answer(request)
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.requests = []
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}/score", server
+
+    yield serve
+    for server in servers:
+        server.shutdown()
+
+
+def test_a_remote_reward_scores_the_template_texts(reward_server) -> None:
+    import json
+
+    from rlhf_cli.rewards import RemoteReward
+    from rlhf_cli.scoring import RewardScorer
+
+    url, server = reward_server(
+        lambda req: json.dumps({"rewards": [len(r) for r in req["responses"]]}).encode()
+    )
+    remote = RemoteReward(url, "Q: {prompt} A: {response}", timeout=5, retries=0)
+    scorer = RewardScorer(None, None, "unused", 8, functions=[(url, remote, 2.0)])
+    scores, _ = scorer.score(["p", "q"], ["abc", "a"])
+    assert scores.tolist() == [6.0, 2.0]
+    assert server.requests[0]["query"] == ["Q: p A: abc", "Q: q A: a"]
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b"<html>oops</html>", "failed after 2 attempts: Expecting value"),
+        (b'{"answer": 1}', "answered without a `rewards` list"),
+    ],
+)
+def test_a_remote_reward_that_answers_garbage_is_named(reward_server, body, message) -> None:
+    from rlhf_cli.errors import DataError
+    from rlhf_cli.rewards import RemoteReward
+
+    url, _ = reward_server(lambda req: body)
+    with pytest.raises(DataError, match=f"remote reward {url} {message}"):
+        RemoteReward(url, "{prompt}{response}", timeout=5, retries=1)(["p"], ["r"])
+
+
+def test_a_dead_remote_reward_fails_within_its_timeout_and_retries() -> None:
+    import socket
+    import time
+
+    from rlhf_cli.errors import DataError
+    from rlhf_cli.rewards import RemoteReward
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/score"
+    start = time.perf_counter()
+    with pytest.raises(DataError, match=f"remote reward {url} failed after 3 attempts"):
+        RemoteReward(url, "{prompt}{response}", timeout=1.0, retries=2)(["p"], ["r"])
+    backoff = 0.5 + 1.0  # the waits between the three attempts
+    assert time.perf_counter() - start < 3 * 1.0 + backoff + 1.0

@@ -1,0 +1,88 @@
+"""`rlhf status`: where a run stands, stage by stage, and what to run next; `--all` lists the runs.
+It only reads manifests (a damaged one shows as such) and never takes the run's lock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlhf_cli.errors import StageError
+from rlhf_cli.rundir import RESUMABLE, STAGE_COMMANDS, RunDir, lock_holder
+
+# the few numbers that say how each stage went (manifest `metrics` keys)
+KEY_METRICS = {
+    "sft": ("eval_loss",),
+    "rm": ("eval_accuracy", "eval_margin"),
+    "ppo": ("iterations", "reward_last_fifth", "kl_final", "eval/win_rate"),
+    "audit": ("hacking_detected",),
+    "merged": ("max_abs_logit_diff",),
+    "push": ("files",),
+}
+PIPELINE = ("sft", "rm", "ppo", "audit", "merged", "push")
+
+
+def stage_row(run: RunDir, stage: str) -> dict[str, Any]:
+    """One stage's status, when it finished, its key numbers and the advice for it."""
+    try:
+        manifest = run.read_manifest(stage)
+    except StageError:
+        return {"stage": stage, "status": "damaged", "next": STAGE_COMMANDS[stage]}
+    if manifest is None:
+        return {"stage": stage, "status": "missing"}
+    status = manifest.get("status", "?")
+    row = {
+        "stage": stage,
+        "status": status,
+        "finished_at": manifest.get("finished_at"),
+        "metrics": {
+            k: manifest.get("metrics", {})[k]
+            for k in KEY_METRICS[stage]
+            if k in manifest.get("metrics", {})
+        },
+    }
+    if "last_attempt" in manifest:
+        row["last_attempt"] = manifest["last_attempt"].get("status")
+    if status == "running":
+        holder = lock_holder(run.path / ".lock")
+        if holder is not None:
+            row["pid"] = holder["pid"]
+            return row
+        row["status"] = "stopped"  # its process is gone without a word
+    if row["status"] in ("stopped", "interrupted") and stage in RESUMABLE:
+        row["next"] = f"{STAGE_COMMANDS[stage]} --resume"
+    elif row["status"] != "completed":
+        row["next"] = STAGE_COMMANDS[stage]
+    return row
+
+
+def run_status(run: RunDir) -> dict[str, Any]:
+    """Every stage of `run`, and the one command to type next (None when all is done)."""
+    rows = [stage_row(run, stage) for stage in PIPELINE]
+    advice = next((r["next"] for r in rows if "next" in r), None)
+    if advice is None and all(r["status"] in ("missing", "completed") for r in rows):
+        missing = [r["stage"] for r in rows if r["status"] == "missing"]
+        advice = STAGE_COMMANDS[missing[0]] if missing else None
+    if any("pid" in r for r in rows):
+        advice = None  # something runs: nothing to start now
+    return {"run": run.name, "path": str(run.path), "stages": rows, "next": advice}
+
+
+def all_runs(output_dir: Path) -> list[dict[str, Any]]:
+    """Every run under `output_dir`: its completed stages, whether LATEST names it, and when
+    its newest manifest was written."""
+    latest = RunDir.latest(output_dir)
+    runs = []
+    for recipe in sorted(output_dir.glob("*/recipe.yaml")):
+        run = RunDir(output_dir, recipe.parent.name)
+        manifests = [run.manifest_path(s) for s in PIPELINE if run.manifest_path(s).is_file()]
+        newest = max((m.stat().st_mtime for m in manifests), default=recipe.stat().st_mtime)
+        runs.append(
+            {
+                "run": run.name,
+                "latest": latest is not None and latest.name == run.name,
+                "completed": run.completed_stages(),
+                "next": run_status(run)["next"],
+                "modified": newest,
+            }
+        )
+    return runs
