@@ -83,6 +83,24 @@ def load_tokenizer(
     return tokenizer
 
 
+def load_policy_tokenizer(model_cfg: ModelSection, source: str, padding_side: str) -> Any:
+    """The policy's tokenizer from `source`, with `model.chat_template` set when the recipe
+    names one; with `prompt_format: chat` a tokenizer that still has no chat template is a
+    ModelLoadError (one line naming the choices), never a silent fall-back to plain text."""
+    from rlhf_cli.chat_templates import chat_template_text
+
+    tokenizer = load_tokenizer(source, model_cfg.trust_remote_code, padding_side)
+    if model_cfg.chat_template is not None:
+        tokenizer.chat_template = chat_template_text(model_cfg.chat_template)
+    if model_cfg.prompt_format == "chat" and not tokenizer.chat_template:
+        raise ModelLoadError(
+            f"model.prompt_format is chat but the tokenizer of '{source}' has no chat "
+            "template: set model.chat_template (chatml, llama2, hh or a Jinja file), or "
+            "model.prompt_format: plain"
+        )
+    return tokenizer
+
+
 def bnb_config(q: QuantizationSection, device: torch.device) -> Any:
     """BitsAndBytesConfig for 4-bit, or None. Fails loudly where bitsandbytes cannot quantise."""
     if not q.load_in_4bit:

@@ -140,6 +140,12 @@ class ModelSection(Section):
     device_map: str | None = _f(
         None, "transformers `device_map` (e.g. `auto`); default: one device."
     )
+    chat_template: str | None = _f(
+        None,
+        "Chat template for `prompt_format: chat` when the tokenizer has none (base models) or "
+        "to replace its own: `chatml`, `llama2`, `hh` (HH-RLHF's `Human:`/`Assistant:` turns) "
+        "or a Jinja file relative to the recipe.",
+    )
     prompt_format: Literal["chat", "plain"] = _f(
         "chat", "`chat` wraps prompts with the tokenizer's chat template; `plain` uses them as is."
     )
@@ -150,6 +156,20 @@ class ModelSection(Section):
     )
     quantization: QuantizationSection = _f(QuantizationSection(), "4-bit loading.")
     lora: LoraSection = _f(LoraSection(), "LoRA adapters for SFT and PPO.")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_source(cls, value: str | None, info: ValidationInfo) -> str | None:
+        from rlhf_cli.chat_templates import BUILTIN
+
+        if value is None or value in BUILTIN:
+            return value
+        path = Path(value).expanduser()
+        if not path.is_absolute():
+            path = Path((info.context or {}).get("base_dir", ".")) / path
+        if not path.is_file():
+            raise ValueError(f"not one of {', '.join(BUILTIN)} and no file {path}")
+        return str(path.resolve())
 
     @field_validator("name_or_path", "tokenizer")
     @classmethod

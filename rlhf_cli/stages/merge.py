@@ -16,7 +16,7 @@ from rich.console import Console
 from rlhf_cli.data import audit_prompts
 from rlhf_cli.errors import MergeMismatch, StageError
 from rlhf_cli.generation import forward_logits, left_pad, tokenize_prompts
-from rlhf_cli.modeling import load_sft_model, load_tokenizer, pick_device
+from rlhf_cli.modeling import load_policy_tokenizer, load_sft_model, pick_device
 from rlhf_cli.recipe import ModelSection, Recipe
 from rlhf_cli.rundir import RunDir, StageRecord
 from rlhf_cli.stages.trained import policy_source
@@ -59,7 +59,7 @@ def run_merge(
             else:
                 base_model = load_sft_model(model_cfg, recipe.model.name_or_path, None, device)
             model = PeftModel.from_pretrained(base_model, str(adapter)).eval()
-        tokenizer = load_tokenizer(tok_source, recipe.model.trust_remote_code, "left")
+        tokenizer = load_policy_tokenizer(recipe.model, tok_source, "left")
 
         # 2. Merge, and check the logits against the adapter model on a few prompts.
         queries = tokenize_prompts(

@@ -26,8 +26,8 @@ from rlhf_cli.generation import Generator, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
     load_backbone,
+    load_policy_tokenizer,
     load_sft_model,
-    load_tokenizer,
     make_trainable,
     mixed_precision,
     pick_device,
@@ -180,7 +180,7 @@ def prompt_inputs(
     """The policy tokenizer, the PPO training prompts and the held-out ones
     (`data.prompts.eval_fraction`), each with their token ids; the guide's "common mistakes"
     about them are warned about (console and manifest)."""
-    tokenizer = load_tokenizer(sources.tokenizer, recipe.model.trust_remote_code, "left")
+    tokenizer = load_policy_tokenizer(recipe.model, sources.tokenizer, "left")
     source = recipe.data.prompts
     prompts = load_prompts(source, cache_dir=run.path / ".cache")
     for warning in startup_warnings(recipe, run, prompts):

@@ -10,7 +10,7 @@ from rlhf_cli.data import load_sft, split_eval
 from rlhf_cli.errors import StageError
 from rlhf_cli.modeling import (
     load_causal_lm,
-    load_tokenizer,
+    load_policy_tokenizer,
     pick_device,
     resolve_dtype,
     upcast_trainable,
@@ -70,11 +70,8 @@ def setup(
     chat = recipe.model.prompt_format == "chat"
     rows = load_sft(recipe.data.sft, chat=chat, cache_dir=run.path / ".cache")
     train_rows, eval_rows = split_eval(rows, recipe.data.sft.eval_fraction, recipe.run.seed)
-    tokenizer = load_tokenizer(
-        recipe.model.tokenizer or recipe.model.name_or_path,
-        recipe.model.trust_remote_code,
-        padding_side="right",
-    )
+    source = recipe.model.tokenizer or recipe.model.name_or_path
+    tokenizer = load_policy_tokenizer(recipe.model, source, "right")
     model_cfg = recipe.model.variant(lora=False) if cfg.full_finetune else recipe.model
     model = load_causal_lm(recipe.model.name_or_path, model_cfg, device)
     dtype = resolve_dtype(recipe.model.dtype, device)

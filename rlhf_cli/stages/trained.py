@@ -20,6 +20,7 @@ from rlhf_cli.modeling import (
     Reference,
     freeze,
     load_causal_lm,
+    load_policy_tokenizer,
     load_reward_model,
     load_sft_model,
     load_tokenizer,
@@ -116,7 +117,7 @@ def load_trained_policy(
             tok_source = str(owner.resolve_output(stage, manifest, "tokenizer"))
         kind = "adapter" if "adapter" in manifest["outputs"] else "model"
         folder = owner.resolve_output(stage, manifest, kind)
-    tokenizer = load_tokenizer(tok_source, model_cfg.trust_remote_code, "left")
+    tokenizer = load_policy_tokenizer(model_cfg, tok_source, "left")
     label = folder.name if kind == "checkpoint" else run.name
     if kind == "model":
         model = load_causal_lm(

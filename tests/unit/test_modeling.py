@@ -349,3 +349,69 @@ def test_set_dropout_stops_bert_hidden_and_attention_dropout() -> None:
     set_dropout(model, 0.0)
     assert torch.equal(*_two_train_forwards(model, ids))
     assert model.config.hidden_dropout_prob == 0.0
+
+
+# ── chat templates for tokenizers without one ────────────────────────────────────────────────
+
+
+@pytest.fixture
+def bare_tokenizer(tmp_path):
+    """The tiny tokenizer saved without its chat template (as a base model's comes)."""
+    from rlhf_cli.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin:tiny-lm")
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "bare")
+    (tmp_path / "bare" / "chat_template.jinja").unlink(missing_ok=True)
+    return str(tmp_path / "bare")
+
+
+def test_chat_prompts_without_a_template_are_refused_not_sent_plain(bare_tokenizer):
+    from rlhf_cli.errors import ModelLoadError
+    from rlhf_cli.modeling import load_policy_tokenizer
+    from rlhf_cli.recipe import ModelSection
+
+    cfg = ModelSection(name_or_path="builtin:tiny-lm")
+    with pytest.raises(ModelLoadError, match="has no chat template: set model.chat_template"):
+        load_policy_tokenizer(cfg, bare_tokenizer, "left")
+    plain = cfg.model_copy(update={"prompt_format": "plain"})
+    assert load_policy_tokenizer(plain, bare_tokenizer, "left").chat_template is None
+
+
+@pytest.mark.parametrize(
+    "choice, rendered",
+    [
+        ("hh", "\n\nHuman: hello there\n\nAssistant:"),
+        ("chatml", "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"),
+    ],
+)
+def test_a_builtin_chat_template_wraps_the_prompts(bare_tokenizer, choice, rendered):
+    from rlhf_cli.generation import tokenize_prompts
+    from rlhf_cli.modeling import load_policy_tokenizer
+    from rlhf_cli.recipe import ModelSection
+
+    cfg = ModelSection(name_or_path="builtin:tiny-lm", chat_template=choice)
+    tokenizer = load_policy_tokenizer(cfg, bare_tokenizer, "left")
+    ids = tokenize_prompts(tokenizer, ["hello there"], chat=True, max_tokens=64)[0]
+    assert tokenizer.decode(ids) == tokenizer.decode(
+        tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    )
+
+
+def test_a_chat_template_file_is_read_relative_to_the_recipe(make_recipe, tmp_path, bare_tokenizer):
+    from rlhf_cli.errors import RecipeError
+    from rlhf_cli.modeling import load_policy_tokenizer
+    from rlhf_cli.recipe import load_recipe
+
+    (tmp_path / "mine.jinja").write_text(
+        "{% for m in messages %}{{ 'Q: ' + m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ ' A:' }}{% endif %}"
+    )
+    recipe = load_recipe(make_recipe({"model": {"chat_template": "mine.jinja"}}))
+    tokenizer = load_policy_tokenizer(recipe.model, bare_tokenizer, "left")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == "Q: hi A:"
+    with pytest.raises(RecipeError, match="model.chat_template: not one of chatml, llama2, hh"):
+        load_recipe(make_recipe({"model": {"chat_template": "nope.jinja"}}, name="bad.yaml"))

@@ -1,0 +1,41 @@
+"""Built-in chat templates for `model.chat_template` (tokenizers without one: base models, many
+reward backbones), as Jinja strings transformers' `apply_chat_template` renders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BUILTIN = {
+    # OpenAI's ChatML, as Qwen and many fine-tunes use it
+    "chatml": (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    # Llama-2-chat: [INST] turns, an optional <<SYS>> block in the first one
+    "llama2": (
+        "{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+        "{% for message in messages if message['role'] != 'system' %}"
+        "{% if message['role'] == 'user' %}"
+        "{{ bos_token + '[INST] ' }}"
+        "{% if loop.first and system %}{{ '<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n' }}{% endif %}"
+        "{{ message['content'] + ' [/INST]' }}"
+        "{% else %}{{ ' ' + message['content'] + ' ' + eos_token }}{% endif %}"
+        "{% endfor %}"
+    ),
+    # Anthropic HH-RLHF's dialogue format, the guide's reward template
+    "hh": (
+        "{% for message in messages %}"
+        "{% if message['role'] == 'user' %}{{ '\\n\\nHuman: ' + message['content'] }}"
+        "{% elif message['role'] == 'assistant' %}"
+        "{{ '\\n\\nAssistant: ' + message['content'] + eos_token }}"
+        "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '\\n\\nAssistant:' }}{% endif %}"
+    ),
+}
+
+
+def chat_template_text(choice: str) -> str:
+    """The Jinja text of a built-in template's name, or of a template file's path."""
+    return BUILTIN.get(choice) or Path(choice).read_text(encoding="utf-8")
