@@ -51,12 +51,18 @@ SetOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--set",
+        metavar="PATH=VALUE",
         help="Override a recipe field, dotted.path=value (repeatable), validated like the file: "
         "--set ppo.learning_rate=1e-5 --set model.lora.r=8.",
     ),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary output.")]
+FLAG = ""  # a flag's help shows no value type (typer would print <bool>)
+JsonOpt = Annotated[
+    bool, typer.Option("--json", metavar=FLAG, help="Print one JSON object on stdout.")
+]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", metavar=FLAG, help="No progress or summary output.")
+]
 RunsOpt = Annotated[
     Path,
     typer.Option(
@@ -207,7 +213,8 @@ def ppo(
     recipe: RecipeOpt = None,
     sets: SetOpt = None,
     resume: Annotated[
-        bool, typer.Option("--resume", help="Continue from the newest good checkpoint.")
+        bool,
+        typer.Option("--resume", metavar=FLAG, help="Continue from the newest good checkpoint."),
     ] = False,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -288,12 +295,18 @@ def merge(
 def push(
     adapter_only: Annotated[
         bool,
-        typer.Option("--adapter-only", help="Push the LoRA adapter instead of the merged model."),
+        typer.Option(
+            "--adapter-only",
+            metavar=FLAG,
+            help="Push the LoRA adapter instead of the merged model.",
+        ),
     ] = False,
     dry_run: Annotated[
         bool,
         typer.Option(
-            "--dry-run", help="Write the model card and show what would be sent; no upload."
+            "--dry-run",
+            metavar=FLAG,
+            help="Write the model card and show what would be sent; no upload.",
         ),
     ] = False,
     recipe: RecipeOpt = None,
@@ -326,7 +339,9 @@ def push(
 @_exit_on_errors
 def status(
     run: Annotated[str | None, typer.Argument(help="Run name (default: the latest run).")] = None,
-    every: Annotated[bool, typer.Option("--all", help="List every run instead.")] = False,
+    every: Annotated[
+        bool, typer.Option("--all", metavar=FLAG, help="List every run instead.")
+    ] = False,
     as_json: JsonOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:

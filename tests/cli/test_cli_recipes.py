@@ -107,8 +107,10 @@ def test_every_stage_is_a_command():
         "compare",
     } <= listed, out
     for command in sorted(listed):
-        result = CliRunner().invoke(app, [command, "--help"])
+        result = CliRunner().invoke(app, [command, "--help"], terminal_width=120)
         assert result.exit_code == 0 and "Usage" in result.output, command
+        typed_flags = [x for x in result.output.splitlines() if "<bool>" in x and "--help" not in x]
+        assert not typed_flags, typed_flags  # a flag takes no value: no type shown
 
 
 def test_validate_without_recipe_uses_the_latest_run(make_recipe, tmp_path: Path) -> None:
