@@ -212,7 +212,9 @@ def main() -> None:
         },
         "results": results,
     }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    out = Path(args.out)
+    earlier = json.loads(out.read_text()) if out.is_file() else {}  # bench_memory's key stays
+    out.write_text(json.dumps({**earlier, **report}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

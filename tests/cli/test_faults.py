@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_cli_audit_push import assert_one_line_error as one_line_error
 from typer.testing import CliRunner
 
 from rlhf_cli.cli import app
@@ -23,16 +24,6 @@ from rlhf_cli.rundir import RunDir, StageRecord
 
 def invoke(*args: str):
     return CliRunner().invoke(app, list(args))
-
-
-def one_line_error(result, *needles: str) -> str:
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 def completed(run: RunDir, stage: str, recipe, outputs: dict[str, str]) -> dict:
