@@ -456,3 +456,24 @@ def test_reward_truncation_is_reported(ppo_recipe, pipeline, tmp_path, small_rec
     rows = read_metrics(RunDir.for_recipe(recipe).stage_dir("ppo") / "metrics.jsonl")
     assert rows[0]["reward/truncated_inputs"] > 0
     assert any("longer than reward.max_length" in w for w in manifest["warnings"])
+
+
+def test_resume_after_the_lora_rank_changed_is_refused_and_keeps_the_result(
+    ppo_recipe, pipeline, tmp_path, small_recipe
+):
+    """The docs promise exit 2 (one line), and the completed run stays usable."""
+    from rlhf_cli.stages.ppo import run_ppo
+
+    recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 2})
+    run_ppo(recipe, QUIET)
+    run = RunDir.for_recipe(recipe)
+    changed = recipe.model_copy(
+        update={"model": recipe.model.model_copy(
+            update={"lora": recipe.model.lora.model_copy(update={"r": 8})}
+        )}
+    )  # fmt: skip
+    with pytest.raises(StageError, match="does not match this recipe's trainable weights"):
+        run_ppo(changed, QUIET, resume=True)
+    manifest = run.read_manifest("ppo")
+    assert manifest["status"] == "completed" and manifest["last_attempt"]["status"] == "failed"
+    assert (run.stage_dir("ppo") / manifest["outputs"]["adapter"]).is_dir()
