@@ -18,7 +18,7 @@ KEY_METRICS = {
     "merged": ("max_abs_logit_diff",),
     "push": ("files",),
 }
-PIPELINE = ("sft", "rm", "ppo", "audit", "merged", "push")
+PIPELINE = tuple(STAGE_COMMANDS)  # the stages in pipeline order
 
 
 def stage_row(run: RunDir, stage: str) -> dict[str, Any]:
