@@ -27,7 +27,7 @@ from rich.table import Table
 from rlhf_cli.errors import RecipeError, RlhfError
 from rlhf_cli.recipe import Recipe, default_recipe_path, load_recipe
 from rlhf_cli.rundir import RunDir, recipe_near
-from rlhf_cli.tracking import make_console, quiet_libraries
+from rlhf_cli.tracking import make_console, quiet_libraries, require_trackers
 
 app = typer.Typer(
     add_completion=False,
@@ -171,6 +171,7 @@ def validate(
 ) -> None:
     """Validate a recipe and print it fully resolved (defaults filled in, --set applied)."""
     resolved = resolve_recipe(recipe, runs_dir, sets)
+    require_trackers(resolved.run.trackers)  # what the training stages would refuse
     if as_json:
         typer.echo(json.dumps(resolved.model_dump(mode="json"), indent=2))
     else:

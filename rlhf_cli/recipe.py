@@ -91,8 +91,19 @@ class RunSection(Section):
     device: Literal["auto", "cpu", "cuda"] = _f(
         "auto", "`auto` uses CUDA when present, else the CPU."
     )
-    trackers: list[Literal["tensorboard", "wandb"]] = _f(
-        [], "Optional experiment trackers besides metrics.jsonl (off by default)."
+    trackers: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = _f(
+        [],
+        "Experiment trackers besides metrics.jsonl (off by default), reached through "
+        "transformers' `report_to` (sft, train-rm) and accelerate's `log_with` (ppo); each "
+        "needs its extra, e.g. `pip install 'rlhf-cli[trackio]'`. TensorBoard writes "
+        "`<stage>/tensorboard/`; the others follow their own settings (`WANDB_MODE=offline`, "
+        "`TRACKIO_DIR`, `MLFLOW_TRACKING_URI`).",
+    )
+    project: str = _f(
+        "rlhf-cli",
+        "The trackers' project (wandb, trackio) or experiment (MLflow; `MLFLOW_EXPERIMENT_NAME` "
+        "wins, as MLflow's own rule); each stage logs as the tracker run `<name>-<stage>`.",
+        min_length=1,
     )
 
     @field_validator("output_dir")

@@ -1,11 +1,16 @@
-"""Where numbers go: metrics.jsonl, optional TensorBoard / wandb, and the rich console."""
+"""Where numbers go: metrics.jsonl, the recipe's experiment trackers (through transformers'
+`report_to` and accelerate's `log_with`), and the rich console."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,35 +65,10 @@ def _clean(value: Any) -> Any:
 class MetricsWriter:
     """Appends one JSON object a line and flushes each, so a killed run keeps what it logged."""
 
-    def __init__(
-        self,
-        path: Path,
-        trackers: list[str] | None = None,
-        enabled: bool = True,
-        resume: bool = False,
-    ):
+    def __init__(self, path: Path, enabled: bool = True, resume: bool = False):
         self.path, self.enabled = path, enabled
-        self._tb = self._wandb = None
         if not enabled:
             return
-        for tracker in trackers or []:
-            try:
-                if tracker == "tensorboard":
-                    from torch.utils.tensorboard import SummaryWriter
-
-                    self._tb = SummaryWriter(str(path.parent / "tensorboard"))
-                elif tracker == "wandb":
-                    import wandb
-
-                    self._wandb = wandb.init(
-                        project="rlhf-cli", name=path.parent.parent.name, resume="allow"
-                    )
-            except ImportError:
-                package = "tensorboard" if tracker == "tensorboard" else "wandb"
-                raise RlhfError(
-                    f"run.trackers lists {tracker} but the {package} package is not "
-                    f"installed: pip install {package}"
-                ) from None
         path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = open(path, "a" if resume else "w", encoding="utf-8")
 
@@ -102,21 +82,144 @@ class MetricsWriter:
         }
         self._handle.write(json.dumps(row) + "\n")
         self._handle.flush()
-        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-        if self._tb is not None:
-            for key, value in numeric.items():
-                self._tb.add_scalar(key, value, step)
-        if self._wandb is not None:
-            self._wandb.log(numeric, step=step)
 
     def close(self) -> None:
-        if not self.enabled:
-            return
-        self._handle.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        if self.enabled:
+            self._handle.close()
+
+
+# run.trackers entry -> the module it needs (each is an extra of the same name)
+TRACKER_MODULES = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "trackio": "trackio",
+    "mlflow": "mlflow",
+}
+
+
+@dataclass(frozen=True)
+class Trackers:
+    """A stage's experiment trackers: the recipe's `run.trackers`, its `run.project`, and the
+    tracker run `<run name>-<stage>` grouped under the run name. TRL's stages reach them through
+    transformers' `report_to`, PPO through accelerate's trackers; TensorBoard writes
+    `<stage>/tensorboard/` either way."""
+
+    names: tuple[str, ...]
+    project: str
+    run_name: str
+    group: str
+    tensorboard_dir: Path
+
+    @classmethod
+    def for_stage(cls, run: Any, stage: str, stage_dir: Path) -> Trackers:
+        """From the recipe's `run` section; a tracker whose package is missing is an RlhfError
+        naming the extra to install."""
+        require_trackers(run.trackers)
+        return cls(
+            tuple(run.trackers),
+            run.project,
+            f"{run.name}-{stage}",
+            run.name,
+            stage_dir / "tensorboard",
+        )
+
+    def trainer_args(self, fields: Any) -> dict[str, Any]:
+        """TrainingArguments for transformers' integrations (`fields`: the config class's
+        dataclass fields; `project` is new in transformers 5.20)."""
+        args: dict[str, Any] = {"report_to": list(self.names) or "none", "run_name": self.run_name}
+        if "project" in fields:
+            args["project"] = self.project
+        return args
+
+    @contextmanager
+    def environment(self) -> Iterator[None]:
+        """The settings transformers' callbacks read from the environment, for the stage's
+        duration: TensorBoard's folder, wandb's project and group, MLflow's experiment (one the
+        user set wins, as MLflow's own rule); the earlier values come back afterwards."""
+        wanted = {
+            "TENSORBOARD_LOGGING_DIR": str(self.tensorboard_dir),
+            "WANDB_PROJECT": self.project,
+            "WANDB_RUN_GROUP": self.group,
+            "MLFLOW_EXPERIMENT_NAME": os.environ.get("MLFLOW_EXPERIMENT_NAME", self.project),
+        }
+        before = {key: os.environ.get(key) for key in wanted}
+        os.environ.update(wanted)
+        try:
+            yield
+        finally:
+            if "trackio" in self.names:  # reopened by the log of an evaluation after training
+                _finish_trackio()
+            for key, value in before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def for_accelerate(self) -> list[Any]:
+        """accelerate's tracker objects for `Accelerator(log_with=...)`, named like the
+        transformers ones (started by `accelerator.init_trackers`)."""
+        from accelerate import tracking
+
+        made = {
+            "tensorboard": lambda: tracking.TensorBoardTracker(
+                self.tensorboard_dir.name, self.tensorboard_dir.parent
+            ),
+            "wandb": lambda: tracking.WandBTracker(
+                self.project, name=self.run_name, group=self.group
+            ),
+            "trackio": lambda: tracking.TrackioTracker(
+                self.project, name=self.run_name, resume="allow"
+            ),
+            "mlflow": lambda: tracking.MLflowTracker(self.project, run_name=self.run_name),
+        }
+        return [made[name]() for name in self.names]
+
+
+def finish_trackers(accelerator: Any) -> None:
+    """What `accelerator.end_training()` does for the trackers, without ending the process
+    group (the stage still saves after). trackio is finished through its module, which also
+    forgets the run: accelerate's finish leaves it to an exit hook that would print on stdout
+    after a `--json` result."""
+    if not accelerator.is_main_process:
+        return
+    for tracker in accelerator.trackers:
+        if tracker.name == "trackio":
+            _finish_trackio()
+        else:
+            tracker.finish()
+
+
+def _finish_trackio() -> None:
+    """Finish trackio's open run, if any, so that no exit hook finishes it later (printing on
+    stdout after the command's result)."""
+    import trackio
+
+    if trackio.context_vars.current_run.get() is not None:
+        trackio.finish()
+
+
+def require_trackers(trackers: list[str]) -> None:
+    """Each listed tracker's package is importable, else one line naming the extra."""
+    for tracker in trackers:
+        if importlib.util.find_spec(TRACKER_MODULES[tracker]) is None:
+            raise RlhfError(
+                f"run.trackers lists {tracker} but the {TRACKER_MODULES[tracker]} package is not "
+                f"installed: pip install 'rlhf-cli[{tracker}]'"
+            )
+
+
+def tracker_config(recipe_dump: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The recipe flattened to `section.field: value` with scalar values, as trackers store
+    a run's hyperparameters (lists and nulls as text)."""
+    flat: dict[str, Any] = {}
+    for key, value in recipe_dump.items():
+        if isinstance(value, dict):
+            flat.update(tracker_config(value, f"{prefix}{key}."))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[f"{prefix}{key}"] = value
+        else:
+            flat[f"{prefix}{key}"] = str(value)
+    return flat
 
 
 def read_metrics(path: Path, through: int | None = None) -> list[dict[str, Any]]:

@@ -77,8 +77,11 @@ def _zero_stage() -> int:
     return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
 
 
-def build_accelerator(recipe: Recipe, cpu: bool, mixed_precision: str) -> Any:
-    """The Accelerator for PPO: the recipe's accumulation steps and precision; under DeepSpeed
+def build_accelerator(
+    recipe: Recipe, cpu: bool, mixed_precision: str, log_with: list[Any] | None = None
+) -> Any:
+    """The Accelerator for PPO: the recipe's accumulation steps and precision, the stage's
+    trackers (`tracking.Trackers.for_accelerate`); under DeepSpeed
     its micro-batch per process, accumulation and clipping norm written into the engine's
     config (a launcher config that sets them differently is refused: the recipe is the one
     place for training settings)."""
@@ -114,6 +117,7 @@ def build_accelerator(recipe: Recipe, cpu: bool, mixed_precision: str) -> Any:
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         deepspeed_plugin=plugin,
         kwargs_handlers=handlers,
+        log_with=log_with or None,
     )
     world = acc.num_processes
     if cfg.batch_size % world or cfg.mini_batch_size % world:

@@ -473,8 +473,9 @@ def record_iteration(
     ctx: PPOContext, iteration: int, metrics: dict[str, float], rollout: Rollout, kl: torch.Tensor
 ) -> None:
     """Main process: metrics.jsonl, the truncation warning, health rules, the console block and
-    samples.jsonl every `log_every` iterations."""
+    samples.jsonl every `log_every` iterations; the recipe's trackers get the same numbers."""
     ctx.writer.log(metrics, step=iteration)
+    ctx.accelerator.log(metrics, step=iteration)
     if rollout.n_truncated and "reward_truncation" not in ctx.health.seen:
         ctx.health.seen.add("reward_truncation")
         ctx.on_warning(

@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 from transformers import TrainerCallback
 
-from rlhf_cli.tracking import MetricsWriter, make_progress
+from rlhf_cli.tracking import MetricsWriter, Trackers, make_progress
 
 
 def seed_everything(seed: int) -> None:
@@ -28,16 +28,18 @@ def trainer_kwargs(
     dtype: torch.dtype,
     out_dir: Path,
     seed: int,
+    trackers: Trackers,
     gradient_checkpointing: bool = False,
 ) -> dict[str, Any]:
     """TrainingArguments shared by SFTConfig and RewardConfig.
 
     On a CPU the TRL configs need `use_cpu=True, bf16=False` (their defaults assume a GPU).
     `bf16` / `fp16` on a GPU is autocast over the fp32 weights that train. Checkpoints are not
-    written by the Trainer: the stage saves its own artifacts. Gradient (activation)
-    checkpointing, non-reentrant, follows `model.gradient_checkpointing` (TRL's configs would
-    turn it on by default); transformers 5 names it `activation_checkpointing`, with
-    `gradient_checkpointing` its deprecated alias.
+    written by the Trainer: the stage saves its own artifacts. The recipe's trackers are
+    transformers' `report_to` integrations (`Trackers.environment` around the stage). Gradient
+    (activation) checkpointing, non-reentrant, follows `model.gradient_checkpointing` (TRL's
+    configs would turn it on by default); transformers 5 names it `activation_checkpointing`,
+    with `gradient_checkpointing` its deprecated alias.
     """
     from transformers import TrainingArguments
 
@@ -58,7 +60,7 @@ def trainer_kwargs(
         logging_steps=section.logging_steps,
         eval_strategy="epoch",
         save_strategy="no",
-        report_to="none",
+        **trackers.trainer_args(TrainingArguments.__dataclass_fields__),
         disable_tqdm=True,
         seed=seed,
         data_seed=seed,
@@ -69,7 +71,10 @@ def trainer_kwargs(
 
 
 class RichProgressCallback(TrainerCallback):
-    """A rich progress bar over optimiser steps; every log line goes to metrics.jsonl."""
+    """A rich progress bar over optimiser steps; every log line goes to metrics.jsonl.
+
+    TRL's own `RichProgressCallback` does not serve: it draws on a new stdout console (so
+    `--json` output would not be JSON alone), ignores `--quiet`, and keeps no log."""
 
     def __init__(self, console: Console, writer: MetricsWriter, description: str):
         self.console, self.writer, self.description = console, writer, description

@@ -53,7 +53,13 @@ from rlhf_cli.stages.trained import (
     policy_source,
     reward_source,
 )
-from rlhf_cli.tracking import MetricsWriter, read_metrics
+from rlhf_cli.tracking import (
+    MetricsWriter,
+    Trackers,
+    finish_trackers,
+    read_metrics,
+    tracker_config,
+)
 
 
 class PpoSources(NamedTuple):
@@ -71,11 +77,13 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     run = RunDir.for_recipe(recipe)
     device = pick_device(recipe.run.device)
     check_engine(recipe.ppo.generation, recipe)
+    trackers = Trackers.for_stage(recipe.run, "ppo", run.stage_dir("ppo"))
     # Trained weights stay fp32; a half-precision recipe computes under autocast (CUDA only).
     accelerator = build_accelerator(
         recipe,
         cpu=device.type == "cpu",
         mixed_precision=mixed_precision(resolve_dtype(recipe.model.dtype, device), device),
+        log_with=trackers.for_accelerate(),
     )
     inputs: dict[str, Any] = {}
     sources = PpoSources(*policy_source(recipe, run, inputs), *reward_source(recipe, run, inputs))
@@ -91,6 +99,7 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
         finally:
             ctx.writer.close()
             ctx.samples.close()
+            finish_trackers(accelerator)
             record.manifest["metrics"] = {**summarize(ctx.history), "kl_coef_now": ctx.kl_ctl.value}
             record.save()
         with ctx.engine.gathered(ctx.actor) as actor:  # the final weights, whole, saved once
@@ -134,8 +143,9 @@ def setup(
         shutil.rmtree(stage_dir / "checkpoints", ignore_errors=True)
     start = int(state["iteration"])
 
-    # 4. Logs (appended to on resume) and the context the loop reads.
+    # 4. Logs (appended to on resume), the trackers, and the context the loop reads.
     is_main = accelerator.is_main_process
+    accelerator.init_trackers(recipe.run.project, tracker_config(recipe.model_dump(mode="json")))
     ctx = PPOContext(
         cfg=cfg,
         accelerator=accelerator,
@@ -152,10 +162,8 @@ def setup(
         kl_ctl=kl_ctl,
         sampler=sampler,
         stage_dir=stage_dir,
-        writer=MetricsWriter(
-            stage_dir / "metrics.jsonl", recipe.run.trackers, is_main, resume=start > 0
-        ),
-        samples=MetricsWriter(stage_dir / "samples.jsonl", None, is_main, resume=start > 0),
+        writer=MetricsWriter(stage_dir / "metrics.jsonl", is_main, resume=start > 0),
+        samples=MetricsWriter(stage_dir / "samples.jsonl", is_main, resume=start > 0),
         console=console,
         health=HealthMonitor(state.get("health_seen")),
         score_moments=score_moments(cfg, state),

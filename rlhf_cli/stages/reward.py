@@ -32,7 +32,7 @@ from rlhf_cli.stages.common import (
     seed_everything,
     trainer_kwargs,
 )
-from rlhf_cli.tracking import MetricsWriter
+from rlhf_cli.tracking import MetricsWriter, Trackers
 
 
 def pairwise_eval(scorer: RewardScorer, pairs: list[dict[str, str]]) -> dict[str, float]:
@@ -67,13 +67,17 @@ def run_train_rm(recipe: Recipe, console: Console) -> dict[str, Any]:
     is_main = PartialState().is_main_process
     seed_everything(recipe.run.seed)
     device = pick_device(recipe.run.device)
-    with StageRecord(run, "rm", recipe, inputs={}, write=is_main) as record:
+    trackers = Trackers.for_stage(recipe.run, "rm", run.stage_dir("rm"))
+    with (
+        StageRecord(run, "rm", recipe, inputs={}, write=is_main) as record,
+        trackers.environment(),
+    ):
         # 1. Data and model: pairs → template text → reward-tokenizer ids, truncation counted.
         data = setup(recipe, run, device, record)
         start = pairwise_eval(data.scorer, data.eval_pairs)
 
         # 2. Train (full fine-tuning, or LoRA merged back afterwards).
-        result, model = train(recipe, data, device, record, console)
+        result, model = train(recipe, data, device, record, console, trackers)
 
         # 3. Evaluate on held-out pairs with the scorer PPO will use; save a plain model.
         data.scorer.model = freeze(model)
@@ -132,7 +136,12 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
 
 
 def train(
-    recipe: Recipe, data: RewardData, device: torch.device, record: StageRecord, console: Console
+    recipe: Recipe,
+    data: RewardData,
+    device: torch.device,
+    record: StageRecord,
+    console: Console,
+    trackers: Trackers,
 ) -> tuple[Any, Any]:
     """TRL's RewardTrainer over the pre-tokenised pairs; (its TrainOutput, the plain model)."""
     from trl import RewardConfig, RewardTrainer
@@ -144,12 +153,13 @@ def train(
         resolve_dtype(cfg.dtype, device),
         record.dir,
         recipe.run.seed,
+        trackers,
         recipe.model.gradient_checkpointing,
     )
     kwargs["eval_strategy"] = "no"  # held-out pairs are scored by `pairwise_eval` instead
     args = RewardConfig(**kwargs, max_length=cfg.max_length)
     record.replacing()  # the earlier result's logs and weights are written over from here
-    writer = MetricsWriter(record.dir / "metrics.jsonl", recipe.run.trackers, enabled=record.write)
+    writer = MetricsWriter(record.dir / "metrics.jsonl", enabled=record.write)
     progress = RichProgressCallback(console, writer, "train-rm")
     trainer = RewardTrainer(
         model=data.scorer.model,

@@ -23,7 +23,7 @@ from rlhf_cli.stages.common import (
     seed_everything,
     trainer_kwargs,
 )
-from rlhf_cli.tracking import MetricsWriter
+from rlhf_cli.tracking import MetricsWriter, Trackers
 
 
 def run_sft(recipe: Recipe, console: Console) -> dict[str, Any]:
@@ -38,9 +38,13 @@ def run_sft(recipe: Recipe, console: Console) -> dict[str, Any]:
     run = RunDir.for_recipe(recipe)
     is_main = PartialState().is_main_process
     seed_everything(recipe.run.seed)
-    with StageRecord(run, "sft", recipe, inputs={}, write=is_main) as record:
+    trackers = Trackers.for_stage(recipe.run, "sft", run.stage_dir("sft"))
+    with (
+        StageRecord(run, "sft", recipe, inputs={}, write=is_main) as record,
+        trackers.environment(),
+    ):
         # 1. Data, model and trainer.
-        trainer, writer, progress, n_rows = setup(recipe, run, record, console)
+        trainer, writer, progress, n_rows = setup(recipe, run, record, console, trackers)
 
         # 2. Train, with the held-out loss measured before and after.
         start_loss = trainer.evaluate()["eval_loss"]
@@ -58,7 +62,7 @@ def run_sft(recipe: Recipe, console: Console) -> dict[str, Any]:
 
 
 def setup(
-    recipe: Recipe, run: RunDir, record: StageRecord, console: Console
+    recipe: Recipe, run: RunDir, record: StageRecord, console: Console, trackers: Trackers
 ) -> tuple[Any, MetricsWriter, RichProgressCallback, tuple[int, int]]:
     """TRL's SFTTrainer on a seeded train / held-out split, full weights for
     `sft.full_finetune`, else LoRA (on 4-bit weights when asked), trained weights in fp32
@@ -77,13 +81,13 @@ def setup(
     dtype = resolve_dtype(recipe.model.dtype, device)
     checkpointing = recipe.model.gradient_checkpointing
     args = SFTConfig(
-        **trainer_kwargs(cfg, device, dtype, record.dir, recipe.run.seed, checkpointing),
+        **trainer_kwargs(cfg, device, dtype, record.dir, recipe.run.seed, trackers, checkpointing),
         max_length=cfg.max_length,
         warmup_steps=cfg.warmup_ratio,
         lr_scheduler_type="cosine",
     )
     record.replacing()  # the earlier result's logs and weights are written over from here
-    writer = MetricsWriter(record.dir / "metrics.jsonl", recipe.run.trackers, enabled=record.write)
+    writer = MetricsWriter(record.dir / "metrics.jsonl", enabled=record.write)
     progress = RichProgressCallback(console, writer, "sft")
     trainer = SFTTrainer(
         model=model,

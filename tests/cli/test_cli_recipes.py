@@ -158,3 +158,21 @@ def test_a_bad_override_names_the_argument_and_the_field(make_recipe, arg, messa
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), result.output
+
+
+@pytest.mark.parametrize("command", ["validate", "sft", "train-rm", "ppo"])
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb", "trackio", "mlflow"])
+def test_a_tracker_not_installed_is_one_line_naming_the_extra(
+    make_recipe, monkeypatch, tmp_path: Path, command: str, tracker: str
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, tracker, None)  # as if the package were not installed
+    args = [command, "--recipe", str(make_recipe()), "--set", f"run.trackers=[{tracker}]"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert result.output == (
+        f"error: run.trackers lists {tracker} but the {tracker} package is not installed: "
+        f"pip install 'rlhf-cli[{tracker}]'\n"
+    )
+    assert not (tmp_path / "runs").exists()  # refused before the run is touched

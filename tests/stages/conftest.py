@@ -10,18 +10,21 @@ from typing import Any
 
 import pytest
 from rich.console import Console
+from tracker_stores import TRACKER_PROJECT
 
 from rlhf_cli.recipe import Recipe, load_recipe
 
 
 @pytest.fixture(scope="session")
 def pipeline(small_recipe: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """sft + train-rm once for the session; tests copy the folder and run PPO on their copy."""
+    """sft + train-rm once for the session, reporting to TensorBoard and trackio (checked in
+    test_trackers); tests copy the folder and run PPO on their copy."""
     from rlhf_cli.stages.reward import run_train_rm
     from rlhf_cli.stages.sft import run_sft
 
     folder = tmp_path_factory.mktemp("ppo_pipeline")
-    recipe = load_recipe(small_recipe(folder, {"sft": {"epochs": 6}}))
+    trackers = {"trackers": ["tensorboard", "trackio"], "project": TRACKER_PROJECT}
+    recipe = load_recipe(small_recipe(folder, {"sft": {"epochs": 6}, "run": trackers}))
     quiet = Console(stderr=True, quiet=True)
     run_sft(recipe, quiet)
     run_train_rm(recipe, quiet)
@@ -29,14 +32,18 @@ def pipeline(small_recipe: Callable[..., Path], tmp_path_factory: pytest.TempPat
 
 
 def _ppo_recipe(
-    pipeline: Path, tmp_path: Path, small_recipe: Callable[..., Path], ppo: dict[str, Any]
+    pipeline: Path,
+    tmp_path: Path,
+    small_recipe: Callable[..., Path],
+    ppo: dict[str, Any],
+    **sections: dict[str, Any],
 ) -> Recipe:
     shutil.copytree(pipeline / "runs", tmp_path / "runs")
-    return load_recipe(small_recipe(tmp_path, {"sft": {"epochs": 6}, "ppo": ppo}))
+    return load_recipe(small_recipe(tmp_path, {"sft": {"epochs": 6}, "ppo": ppo, **sections}))
 
 
 @pytest.fixture(scope="session")
 def ppo_recipe() -> Callable[..., Recipe]:
-    """`ppo_recipe(pipeline, folder, small_recipe, {ppo section})`: the pipeline's runs copied
-    into `folder` and a recipe whose `ppo` section is updated."""
+    """`ppo_recipe(pipeline, folder, small_recipe, {ppo section}, **other sections)`: the
+    pipeline's runs copied into `folder` and a recipe whose sections are updated."""
     return _ppo_recipe

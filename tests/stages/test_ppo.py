@@ -17,6 +17,7 @@ import pytest
 import torch
 from rich.console import Console
 from torch.testing import assert_close
+from tracker_stores import TRACKER_PROJECT, assert_trackers_hold
 
 from rlhf_cli.errors import StageError
 from rlhf_cli.recipe import load_recipe
@@ -72,10 +73,12 @@ def test_ppo_learns_and_writes_the_contract(ppo_recipe, pipeline, tmp_path, smal
             "log_every": 5,
             "generation": {"top_p": 0.9},  # the guide's nucleus: the loss must see it too
         },
+        run={"trackers": ["tensorboard", "trackio"], "project": TRACKER_PROJECT},
     )
     manifest = run_ppo(recipe, QUIET)
     run = RunDir.for_recipe(recipe)
     rows = read_metrics(run.stage_dir("ppo") / "metrics.jsonl")
+    assert_trackers_hold(rows, run.stage_dir("ppo"), f"{recipe.run.name}-ppo")
 
     assert manifest["status"] == "completed"
     assert [r["iteration"] for r in rows] == list(range(1, 26))

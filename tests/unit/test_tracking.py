@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
-import types
+from pathlib import Path
 
 import pytest
 
 from rlhf_cli import tracking
 from rlhf_cli.errors import RlhfError
-from rlhf_cli.tracking import MetricsWriter, make_console, read_metrics
+from rlhf_cli.tracking import (
+    MetricsWriter,
+    Trackers,
+    make_console,
+    read_metrics,
+    require_trackers,
+    tracker_config,
+)
 
 NOW = 1_700_000_000.123456
 
@@ -94,7 +102,7 @@ def test_resume_appends_and_a_new_run_truncates(tmp_path, resume, steps):
 
 def test_disabled_writer_creates_nothing(tmp_path):
     path = tmp_path / "sub" / "metrics.jsonl"
-    writer = MetricsWriter(path, trackers=["wandb", "tensorboard"], enabled=False)
+    writer = MetricsWriter(path, enabled=False)
     writer.log({"loss": 1.0}, step=1)
     writer.close()
     assert not path.parent.exists()
@@ -110,48 +118,82 @@ def test_disabled_writer_keeps_an_existing_file(tmp_path):
     assert read_metrics(path) == [{"step": 1}]
 
 
-@pytest.mark.parametrize(
-    "tracker, module", [("wandb", "wandb"), ("tensorboard", "torch.utils.tensorboard")]
-)
-def test_uninstalled_tracker_names_the_package_to_install(tmp_path, monkeypatch, tracker, module):
-    monkeypatch.setitem(sys.modules, module, None)  # `import` now raises ImportError
-    with pytest.raises(RlhfError, match=f"lists {tracker} but .* pip install {tracker}$"):
-        MetricsWriter(tmp_path / "metrics.jsonl", trackers=[tracker])
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb", "trackio", "mlflow"])
+def test_an_uninstalled_tracker_names_the_extra_to_install(monkeypatch, tracker):
+    monkeypatch.setitem(sys.modules, tracker, None)  # find_spec now answers None
+    with pytest.raises(
+        RlhfError, match=rf"lists {tracker} but .* pip install 'rlhf-cli\[{tracker}\]'$"
+    ):
+        require_trackers(["tensorboard", tracker] if tracker != "tensorboard" else [tracker])
 
 
-def test_wandb_gets_the_run_name_and_only_numbers(tmp_path, monkeypatch, frozen_time):
-    calls = []
+def _run_section(**kw):
+    from rlhf_cli.recipe import RunSection
 
-    class FakeRun:
-        def log(self, metrics, step):
-            calls.append(("log", metrics, step))
+    return RunSection(name="my-run", **kw)
 
-        def finish(self):
-            calls.append(("finish",))
 
-    fake = types.ModuleType("wandb")
-    fake.init = lambda **kwargs: calls.append(("init", kwargs)) or FakeRun()
-    monkeypatch.setitem(sys.modules, "wandb", fake)
+def test_trackers_are_named_after_the_run_and_stage(tmp_path):
+    trackers = Trackers.for_stage(
+        _run_section(trackers=["tensorboard"], project="proj"), "ppo", tmp_path / "ppo"
+    )
+    assert trackers == Trackers(
+        ("tensorboard",), "proj", "my-run-ppo", "my-run", tmp_path / "ppo" / "tensorboard"
+    )
+    from transformers import TrainingArguments
 
-    path = tmp_path / "runs" / "my-run" / "ppo" / "metrics.jsonl"
-    writer = MetricsWriter(path, trackers=["wandb"])
-    writer.log({"loss": 0.5, "iteration": 3, "note": "text", "list": [1, 2]}, step=7)
-    writer.close()
-    assert calls == [
-        ("init", {"project": "rlhf-cli", "name": "my-run", "resume": "allow"}),
-        ("log", {"loss": 0.5, "iteration": 3}, 7),
-        ("finish",),
-    ]
-    assert read_metrics(path) == [
-        {
-            "step": 7,
-            "time": 1700000000.123,
-            "loss": 0.5,
-            "iteration": 3,
-            "note": "text",
-            "list": [1, 2],
-        }
-    ]
+    assert trackers.trainer_args(TrainingArguments.__dataclass_fields__) == {
+        "report_to": ["tensorboard"],
+        "run_name": "my-run-ppo",
+        "project": "proj",
+    }
+    assert trackers.trainer_args({})["report_to"] == ["tensorboard"]
+    none = Trackers.for_stage(_run_section(), "sft", tmp_path / "sft")
+    assert none.trainer_args({})["report_to"] == "none" and none.for_accelerate() == []
+
+
+def test_accelerate_trackers_get_the_project_and_run_names(tmp_path):
+    from accelerate import tracking as acc
+
+    trackers = Trackers(
+        ("tensorboard", "wandb", "trackio", "mlflow"),
+        "proj",
+        "r-ppo",
+        "r",
+        tmp_path / "tensorboard",
+    )
+    tb, wandb, trackio, mlflow = trackers.for_accelerate()
+    assert isinstance(tb, acc.TensorBoardTracker)
+    assert (Path(tb.logging_dir_param) / tb.run_name) == tmp_path / "tensorboard"
+    assert isinstance(wandb, acc.WandBTracker) and wandb.run_name == "proj"
+    assert wandb.init_kwargs == {"name": "r-ppo", "group": "r"}
+    assert isinstance(trackio, acc.TrackioTracker) and trackio.run_name == "proj"
+    assert trackio.init_kwargs == {"name": "r-ppo", "resume": "allow"}
+    assert isinstance(mlflow, acc.MLflowTracker) and mlflow.run_name == "r-ppo"
+
+
+def test_the_environment_is_set_for_the_stage_and_restored(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_PROJECT", "users-own")
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "users-experiment")
+    trackers = Trackers(("mlflow",), "proj", "r-sft", "r", tmp_path / "tensorboard")
+    with trackers.environment():
+        assert os.environ["TENSORBOARD_LOGGING_DIR"] == str(tmp_path / "tensorboard")
+        assert os.environ["WANDB_PROJECT"] == "proj"
+        assert os.environ["WANDB_RUN_GROUP"] == "r"
+        assert os.environ["MLFLOW_EXPERIMENT_NAME"] == "users-experiment"  # MLflow's rule
+    assert "TENSORBOARD_LOGGING_DIR" not in os.environ
+    assert os.environ["WANDB_PROJECT"] == "users-own"
+
+
+def test_tracker_config_is_flat_and_scalar():
+    dump = {"run": {"seed": 1, "trackers": ["tensorboard"], "x": None}, "ppo": {"lr": 1e-5}}
+    assert tracker_config(dump) == {
+        "run.seed": 1,
+        "run.trackers": "['tensorboard']",
+        "run.x": "None",
+        "ppo.lr": 1e-5,
+    }
 
 
 def test_read_metrics_of_a_missing_file_is_empty(tmp_path):
