@@ -63,6 +63,14 @@ JsonOpt = Annotated[
 QuietOpt = Annotated[
     bool, typer.Option("--quiet", "-q", metavar=FLAG, help="No progress or summary output.")
 ]
+ResumeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        metavar=FLAG,
+        help="Continue an interrupted run from its newest good checkpoint.",
+    ),
+]
 RunsOpt = Annotated[
     Path,
     typer.Option(
@@ -92,15 +100,20 @@ def _exit_on_errors(fn: F) -> F:
         except RlhfError as exc:
             err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
-        except KeyboardInterrupt as exc:  # PPO says which checkpoint it saved
+        except KeyboardInterrupt as exc:  # the training stages say which checkpoint they saved
             saved = str(exc) or "nothing was saved"
-            err.print(f"[yellow]interrupted[/]: {escape(saved)}; the manifest says 'interrupted'")
+            err.print(
+                f"[yellow]interrupted[/]: {escape(saved)}; the manifest says 'interrupted'",
+                soft_wrap=True,
+            )
             raise typer.Exit(130) from None
         except OSError as exc:  # the machine said no: a read-only folder, a file in the way
             if exc.filename is None:
                 raise
             reason = exc.strerror or exc.__class__.__name__
-            err.print(f"[red]error:[/] {escape(str(exc.filename))}: {escape(reason)}")
+            err.print(
+                f"[red]error:[/] {escape(str(exc.filename))}: {escape(reason)}", soft_wrap=True
+            )
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
@@ -183,6 +196,7 @@ def validate(
 def sft(
     recipe: RecipeOpt = None,
     sets: SetOpt = None,
+    resume: ResumeOpt = False,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     runs_dir: RunsOpt = Path("runs"),
@@ -190,7 +204,7 @@ def sft(
     """Stage 1 of 4: supervised fine-tuning (TRL SFTTrainer, LoRA / 4-bit when asked)."""
     from rlhf_cli.stages.sft import run_sft
 
-    _stage(run_sft, "sft", recipe, as_json, quiet, runs_dir, sets)
+    _stage(functools.partial(run_sft, resume=resume), "sft", recipe, as_json, quiet, runs_dir, sets)
 
 
 @app.command("train-rm")
@@ -198,6 +212,7 @@ def sft(
 def train_rm(
     recipe: RecipeOpt = None,
     sets: SetOpt = None,
+    resume: ResumeOpt = False,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     runs_dir: RunsOpt = Path("runs"),
@@ -205,7 +220,8 @@ def train_rm(
     """Stage 2 of 4: reward model from preference pairs (TRL RewardTrainer)."""
     from rlhf_cli.stages.reward import run_train_rm
 
-    _stage(run_train_rm, "rm", recipe, as_json, quiet, runs_dir, sets)
+    run = functools.partial(run_train_rm, resume=resume)
+    _stage(run, "rm", recipe, as_json, quiet, runs_dir, sets)
 
 
 @app.command()
@@ -213,10 +229,7 @@ def train_rm(
 def ppo(
     recipe: RecipeOpt = None,
     sets: SetOpt = None,
-    resume: Annotated[
-        bool,
-        typer.Option("--resume", metavar=FLAG, help="Continue from the newest good checkpoint."),
-    ] = False,
+    resume: ResumeOpt = False,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     runs_dir: RunsOpt = Path("runs"),

@@ -32,6 +32,15 @@ class StageError(RlhfError):
     """A stage cannot start: its input stage is missing, failed, or the run is busy."""
 
 
+def checkpoint_mismatch(folder: object, why: str) -> StageError:
+    """`--resume` from a checkpoint whose trainable weights the recipe no longer builds (the
+    LoRA rank or target modules changed)."""
+    return StageError(
+        f"checkpoint {folder} does not match this recipe's trainable weights ({why}): start a "
+        "new run name or drop --resume"
+    )
+
+
 class DataError(RlhfError):
     """A dataset is missing, empty, or lacks the columns a stage needs."""
 

@@ -129,7 +129,11 @@ class LoraSection(Section):
     r: int = _f(16, "LoRA rank.", gt=0)
     alpha: int = _f(32, "LoRA scaling numerator (scale = alpha / r).", gt=0)
     dropout: float = _f(
-        0.05, "Dropout on the LoRA input during SFT (always off during PPO).", ge=0.0, lt=1.0
+        0.05,
+        "Dropout on the LoRA input while the adapter trains (SFT, reward training); always "
+        "off during PPO.",
+        ge=0.0,
+        lt=1.0,
     )
     target_modules: list[str] | Literal["all-linear"] = _f(
         list(GUIDE_LORA_TARGETS), "Module names that get adapters, or `all-linear`."
@@ -263,6 +267,14 @@ class SftSection(Section):
     max_length: int = _f(1024, "Truncate tokenised examples to this length.", gt=0)
     warmup_ratio: float = _f(0.03, "Share of steps with linear warm-up.", ge=0.0, lt=1.0)
     logging_steps: int = _f(10, "Log training loss every N optimiser steps.", gt=0)
+    save_steps: int = _f(
+        500,
+        "Write a resumable checkpoint (`sft/checkpoints/checkpoint-N`: weights, optimizer, "
+        "scheduler, RNG) every N optimiser steps, keeping the newest two; Ctrl-C and SIGTERM "
+        "write one too, and `--resume` continues from the newest. 0: only on Ctrl-C. A "
+        "completed stage removes them.",
+        ge=0,
+    )
     full_finetune: bool = _f(
         False, "Train and save all weights instead of a LoRA adapter (for tiny or small models)."
     )
@@ -317,6 +329,14 @@ class RewardSection(Section):
     batch_size: int = _f(8, "Pairs per device batch.", gt=0)
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimiser step.", gt=0)
     logging_steps: int = _f(10, "Log every N optimiser steps.", gt=0)
+    save_steps: int = _f(
+        500,
+        "Write a resumable checkpoint (`rm/checkpoints/checkpoint-N`: weights, optimizer, "
+        "scheduler, RNG) every N optimiser steps, keeping the newest two; Ctrl-C and SIGTERM "
+        "write one too, and `--resume` continues from the newest. 0: only on Ctrl-C. A "
+        "completed stage removes them.",
+        ge=0,
+    )
     lora: LoraSection = _f(LoraSection(enabled=False), "LoRA for the reward backbone (off: full).")
     score_batch_size: int = _f(16, "Texts per reward forward pass during PPO and audit.", gt=0)
     functions: list[RewardFunctionSpec] = _f(

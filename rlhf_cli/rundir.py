@@ -17,7 +17,9 @@ import hashlib
 import json
 import os
 import platform
+import signal
 import tempfile
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from types import TracebackType
@@ -34,7 +36,7 @@ STAGE_COMMANDS = {
     "merged": "rlhf merge",
     "push": "rlhf push",
 }
-RESUMABLE = {"ppo"}  # stages whose command takes --resume
+RESUMABLE = {"sft", "rm", "ppo"}  # stages whose command takes --resume
 VERSIONED_PACKAGES = (
     "torch",
     "transformers",
@@ -226,7 +228,7 @@ class RunDir:
                 f"running (pid {holder['pid']}, since {holder.get('since', '?')}): wait for it "
                 "to finish"
             )
-        if status in ("running", "interrupted") and stage in RESUMABLE:  # stopped, or killed
+        if status in ("running", "interrupted") and resumable(self, stage):  # stopped, or killed
             hint = f"resume it with `{command} --resume`"
         else:
             hint = f"run `{command}` again first"
@@ -300,6 +302,12 @@ def _restore(path: Path, data: bytes | None) -> None:
         atomic_write_bytes(path, data)
 
 
+def resumable(run: RunDir, stage: str) -> bool:
+    """`stage` of `run` has checkpoints its command's `--resume` can start from."""
+    checkpoints = run.stage_dir(stage) / "checkpoints"
+    return stage in RESUMABLE and checkpoints.is_dir() and any(checkpoints.iterdir())
+
+
 class StageRecord:
     """Context manager that keeps a stage's manifest true while it runs.
 
@@ -313,7 +321,7 @@ class StageRecord:
     stage's previous manifest comes back (a completed result stays usable, with a
     `last_attempt` note of what went wrong), and so do the run's recipe snapshot and LATEST; a
     run folder this attempt created is removed. LATEST never moves to a run with no completed
-    stage.
+    stage, unless a stopped stage left a checkpoint to `--resume` from.
     """
 
     def __init__(
@@ -385,7 +393,9 @@ class StageRecord:
         try:
             if exc_type is None or self._replacing or not self.write:
                 self.save()
-                if exc_type is not None and not self.run.completed_stages():
+                stopped = self.manifest["status"] == "interrupted"
+                kept = self.run.completed_stages() or stopped and resumable(self.run, self.stage)
+                if exc_type is not None and not kept:
                     _restore(self.run.output_dir / "LATEST", self._before.get("latest"))
             else:
                 self._undo()
@@ -426,3 +436,28 @@ def recipe_near(path: Path | None) -> Path | None:
         if (folder / "recipe.yaml").is_file() and folder.parent.joinpath("LATEST").exists():
             return folder / "recipe.yaml"
     return None
+
+
+@contextlib.contextmanager
+def graceful_stop(console: Any, unit: str) -> Iterator[dict[str, Any]]:
+    """The first SIGINT / SIGTERM asks the training loop to stop after this `unit` (iteration,
+    step) and its checkpoint; a second stops at once. The loop sets `flag["saved"]` to the
+    newest checkpoint it wrote, so the KeyboardInterrupt can say what was saved."""
+    flag: dict[str, Any] = {"stop": False, "saved": None}
+
+    def handler(signum: int, frame: Any) -> None:
+        if flag["stop"]:
+            newest = flag["saved"] or "none from this session"
+            raise KeyboardInterrupt(f"stopped at once; the newest checkpoint is {newest}")
+        flag["stop"] = True
+        console.print(
+            f"\n[yellow]stopping[/]: finishing this {unit} and writing a checkpoint "
+            "(press Ctrl-C again to stop at once)"
+        )
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -25,6 +25,7 @@ from rich.progress import (
 )
 
 from rlhf_cli.errors import DataError, RlhfError
+from rlhf_cli.rundir import atomic_write_bytes
 
 
 def make_console(quiet: bool = False, json_mode: bool = False) -> Console:
@@ -243,3 +244,12 @@ def read_metrics(path: Path, through: int | None = None) -> list[dict[str, Any]]
     if through is not None:
         rows = [r for r in rows if 0 < r.get("iteration", 0) <= through]
     return rows
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop lines logged after a checkpoint (and a last line cut short by a kill), so a resumed
+    log has one line per step."""
+    if not path.is_file():
+        return
+    keep = [json.dumps(row) for row in read_metrics(path) if row.get("step", 0) <= last_step]
+    atomic_write_bytes(path, ("\n".join(keep) + "\n" if keep else "").encode())

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from rlhf_cli.errors import StageError
+from rlhf_cli.errors import StageError, checkpoint_mismatch
 from rlhf_cli.modeling import trainable_state
-from rlhf_cli.ppo.sharding import Engine, mismatch
+from rlhf_cli.ppo.sharding import Engine
 from rlhf_cli.rundir import atomic_write_json, file_sha256
 
 INDEX = "checkpoint.json"
@@ -167,7 +167,7 @@ def load_checkpoint(
     except RuntimeError as exc:  # torch's shape check: the recipe's LoRA rank or modules moved
         if "size" not in str(exc) and "shape" not in str(exc):
             raise
-        raise mismatch(folder, str(exc).splitlines()[0][:200]) from None
+        raise checkpoint_mismatch(folder, str(exc).splitlines()[0][:200]) from None
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
     kl_ctl.load_state_dict(state["kl_controller"])
     rng_file = folder / f"rng_{acc.process_index}.pt"

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from rlhf_cli.errors import StageError
+from rlhf_cli.errors import StageError, checkpoint_mismatch
 from rlhf_cli.modeling import trainable_state
 from rlhf_cli.recipe import Recipe
 
@@ -179,7 +179,7 @@ class Engine:
         weights = load_file(folder / "policy.safetensors")
         expected = set(trainable_state(unwrapped.policy))
         if set(weights) != expected:
-            raise mismatch(folder, f"{len(set(weights) ^ expected)} names differ")
+            raise checkpoint_mismatch(folder, f"{len(set(weights) ^ expected)} names differ")
         params = dict(unwrapped.policy.named_parameters())
         with torch.no_grad():
             for name, tensor in weights.items():
@@ -236,9 +236,9 @@ class DeepSpeedEngine(Engine):
                 load_lr_scheduler_states=False,
             )
         except (RuntimeError, KeyError, ValueError) as exc:
-            raise mismatch(folder, str(exc).splitlines()[0][:200]) from None
+            raise checkpoint_mismatch(folder, str(exc).splitlines()[0][:200]) from None
         if path is None:
-            raise mismatch(folder, "DeepSpeed found no state in it")
+            raise checkpoint_mismatch(folder, "DeepSpeed found no state in it")
 
 
 class Fsdp2Engine(Engine):
@@ -311,7 +311,7 @@ class Fsdp2Engine(Engine):
         try:
             dcp.load(state, checkpoint_id=folder / "engine")
         except (RuntimeError, KeyError, ValueError) as exc:
-            raise mismatch(folder, str(exc).splitlines()[0][:200]) from None
+            raise checkpoint_mismatch(folder, str(exc).splitlines()[0][:200]) from None
         set_state_dict(
             actor,
             optimizer.optimizer,
@@ -325,10 +325,3 @@ def _is_decoder_layer(module: torch.nn.Module) -> bool:
     """A transformer block: what FSDP's TRANSFORMER_BASED_WRAP wraps (the model's
     `_no_split_modules` classes, which hold the attention and the MLP)."""
     return type(module).__name__.endswith(("DecoderLayer", "Block", "EncoderLayer"))
-
-
-def mismatch(folder: Path, why: str) -> StageError:
-    return StageError(
-        f"checkpoint {folder} does not match this recipe's trainable weights ({why}): start a "
-        "new run name or drop --resume"
-    )

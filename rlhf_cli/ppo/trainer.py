@@ -7,11 +7,10 @@ Reads top to bottom like CleanRL's ppo.py; the maths lives in core.py.
 from __future__ import annotations
 
 import math
-import signal
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.ppo.rollout import Rollout, collect_rollout, logprob_mismatch
 from rlhf_cli.ppo.sharding import Engine
 from rlhf_cli.recipe import PpoSection
+from rlhf_cli.rundir import graceful_stop
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.tracking import MetricsWriter, make_progress
 
@@ -333,34 +333,6 @@ def iteration_metrics(
     return metrics
 
 
-# ── signals: Ctrl-C and SIGTERM finish the iteration, checkpoint, then stop ────────────────────
-
-
-@contextmanager
-def graceful_stop(console: Console) -> Iterator[dict[str, Any]]:
-    """The first SIGINT / SIGTERM asks the loop to stop after this iteration's checkpoint; a
-    second stops at once. The KeyboardInterrupt says what was saved (`flag["saved"]`: the
-    newest checkpoint the loop wrote)."""
-    flag: dict[str, Any] = {"stop": False, "saved": None}
-
-    def handler(signum: int, frame: Any) -> None:
-        if flag["stop"]:
-            newest = flag["saved"] or "none from this session"
-            raise KeyboardInterrupt(f"stopped at once; the newest checkpoint is {newest}")
-        flag["stop"] = True
-        console.print(
-            "\n[yellow]stopping[/]: finishing this iteration and writing a checkpoint "
-            "(press Ctrl-C again to stop at once)"
-        )
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield flag
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 # ── the loop ────────────────────────────────────────────────────────────────────────────────────
 
 
@@ -498,7 +470,7 @@ def train(ctx: PPOContext, start_iteration: int = 0) -> dict[str, Any]:
     cfg, acc = ctx.cfg, ctx.accelerator
     progress = make_progress(ctx.console)
     nonfinite_streak = 0
-    with graceful_stop(ctx.console) as stop, progress:
+    with graceful_stop(ctx.console, "iteration") as stop, progress:
         task = progress.add_task("ppo", total=cfg.iterations, completed=start_iteration, info="")
         for iteration in range(start_iteration + 1, cfg.iterations + 1):
             metrics, rollout, kl = run_iteration(ctx, iteration)

@@ -1,8 +1,11 @@
-"""What the TRL-based stages (sft, train-rm) share: trainer arguments, progress, metrics."""
+"""What the TRL-based stages (sft, train-rm) share: trainer arguments, progress, metrics,
+checkpoints and --resume."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +13,9 @@ import torch
 from rich.console import Console
 from transformers import TrainerCallback
 
-from rlhf_cli.tracking import MetricsWriter, Trackers, make_progress
+from rlhf_cli.errors import StageError, checkpoint_mismatch
+from rlhf_cli.rundir import StageRecord, graceful_stop
+from rlhf_cli.tracking import MetricsWriter, Trackers, make_progress, truncate_metrics
 
 
 def seed_everything(seed: int) -> None:
@@ -34,8 +39,9 @@ def trainer_kwargs(
     """TrainingArguments shared by SFTConfig and RewardConfig.
 
     On a CPU the TRL configs need `use_cpu=True, bf16=False` (their defaults assume a GPU).
-    `bf16` / `fp16` on a GPU is autocast over the fp32 weights that train. Checkpoints are not
-    written by the Trainer: the stage saves its own artifacts. The recipe's trackers are
+    `bf16` / `fp16` on a GPU is autocast over the fp32 weights that train. The Trainer writes
+    resumable checkpoints to `<stage>/checkpoints/` every `save_steps` (and on Ctrl-C, through
+    `StageCallback`); the stage saves its result itself. The recipe's trackers are
     transformers' `report_to` integrations (`Trackers.environment` around the stage). Gradient
     (activation) checkpointing, non-reentrant, follows `model.gradient_checkpointing` (TRL's
     configs would turn it on by default); transformers 5 names it `activation_checkpointing`,
@@ -48,7 +54,7 @@ def trainer_kwargs(
     new_name = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
     checkpointing = "activation_checkpointing" if new_name else "gradient_checkpointing"
     return dict(
-        output_dir=str(out_dir / "trainer"),
+        output_dir=str(out_dir / "checkpoints"),
         use_cpu=on_cpu,
         bf16=not on_cpu and dtype == torch.bfloat16,
         fp16=not on_cpu and dtype == torch.float16,
@@ -59,7 +65,9 @@ def trainer_kwargs(
         gradient_accumulation_steps=section.gradient_accumulation_steps,
         logging_steps=section.logging_steps,
         eval_strategy="epoch",
-        save_strategy="no",
+        save_strategy="steps" if section.save_steps else "no",
+        **({"save_steps": section.save_steps} if section.save_steps else {}),
+        save_total_limit=2,
         **trackers.trainer_args(TrainingArguments.__dataclass_fields__),
         disable_tqdm=True,
         seed=seed,
@@ -70,17 +78,23 @@ def trainer_kwargs(
     )
 
 
-class RichProgressCallback(TrainerCallback):
-    """A rich progress bar over optimiser steps; every log line goes to metrics.jsonl.
+class StageCallback(TrainerCallback):
+    """What the stage adds to TRL's trainer: a rich progress bar over optimiser steps, every
+    log line into metrics.jsonl once `writer` is set (`begin_writing`), and the Ctrl-C
+    checkpoint: with `rundir.graceful_stop`'s `flag` (set by `train_resumable`), after the step
+    in which Ctrl-C or SIGTERM came to any process the Trainer writes a checkpoint and stops.
+    What the Trainer logs after that checkpoint (its end-of-training summary) is not kept, so a
+    resumed log reads as an uninterrupted one.
 
     TRL's own `RichProgressCallback` does not serve: it draws on a new stdout console (so
     `--json` output would not be JSON alone), ignores `--quiet`, and keeps no log."""
 
-    def __init__(self, console: Console, writer: MetricsWriter, description: str):
-        self.console, self.writer, self.description = console, writer, description
+    def __init__(self, console: Console, description: str):
+        self.console, self.description = console, description
+        self.writer: MetricsWriter | None = None
+        self.flag: dict[str, Any] = {"stop": False, "saved": None}
         self.progress = make_progress(console)
         self.task: Any = None
-        self.history: list[dict[str, float]] = []
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero:
@@ -90,15 +104,24 @@ class RichProgressCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.task is not None:
             self.progress.update(self.task, completed=state.global_step)
+        stop = torch.tensor(float(self.flag["stop"]), device=args.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
+        if stop.item():
+            control.should_save = control.should_training_stop = True
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.flag["saved"] = f"checkpoint-{state.global_step} (step {state.global_step})"
+        self.flag["closed"] = self.flag["stop"]  # the stop's checkpoint: the log ends here
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
-        if not state.is_world_process_zero or not logs:
+        if not state.is_world_process_zero or not logs or self.flag.get("closed"):
             return
         row = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float))}
-        self.history.append({"step": state.global_step, **row})
-        self.writer.log(row, step=state.global_step)
+        if self.writer is not None:
+            self.writer.log(row, step=state.global_step)
         if self.task is not None:
             shown = {k: row[k] for k in ("loss", "eval_loss", "eval_accuracy") if k in row}
             self.progress.update(
@@ -114,3 +137,93 @@ def drop_printer(trainer: Any) -> None:
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)
+
+
+# ── checkpoints: Ctrl-C and SIGTERM finish the step, checkpoint, stop; --resume continues ──────
+
+
+def train_resumable(
+    trainer: Any, stage: StageCallback, checkpoint: Path | None, console: Console, command: str
+) -> Any:
+    """`trainer.train()`, from `checkpoint` when resuming. The first Ctrl-C / SIGTERM finishes
+    the step, writes a checkpoint and stops with a KeyboardInterrupt naming it; a second stops
+    at once. A checkpoint whose weights the recipe no longer builds is a StageError."""
+    with graceful_stop(console, "step") as flag:
+        stage.flag = flag
+        try:
+            result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        except RuntimeError as exc:  # torch's shape check: the LoRA rank or modules moved
+            if checkpoint is None or ("size" not in str(exc) and "shape" not in str(exc)):
+                raise
+            raise checkpoint_mismatch(checkpoint, str(exc).splitlines()[0][:200]) from None
+    if flag["stop"]:
+        saved = flag["saved"] or "no checkpoint"
+        raise KeyboardInterrupt(f"{saved} saved; `{command} --resume` continues")
+    return result
+
+
+def resume_checkpoint(stage_dir: Path, command: str) -> tuple[Path, list[str]]:
+    """The newest whole Trainer checkpoint under `stage_dir/checkpoints` and a note for each
+    newer, damaged one skipped; StageError when there is none. The Trainer writes
+    `trainer_state.json` last, so a checkpoint without a readable one was cut short."""
+    root, notes = stage_dir / "checkpoints", []
+    found = [f for f in root.glob("checkpoint-*") if f.is_dir() and f.name[11:].isdigit()]
+    for folder in sorted(found, key=lambda f: int(f.name[11:]), reverse=True):
+        problem = _checkpoint_problem(folder)
+        if problem is None:
+            return folder, notes
+        notes.append(f"checkpoint {folder.name} is damaged ({problem}); skipped")
+    raise StageError(
+        f"--resume: no usable checkpoint under {root}"
+        + (f" ({len(notes)} damaged)" if notes else "")
+        + f"; run `{command}` without --resume to start over"
+    )
+
+
+def _checkpoint_problem(folder: Path) -> str | None:
+    try:
+        step = json.loads((folder / "trainer_state.json").read_text())["global_step"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        return "no readable trainer_state.json"
+    if not isinstance(step, int):
+        return "trainer_state.json has no step"
+    weights = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json")
+    if not any((folder / name).is_file() for name in weights):
+        return "no weights"
+    if not (folder / "optimizer.pt").is_file():
+        return "no optimizer.pt"
+    return None
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The optimiser step a checkpoint from `resume_checkpoint` was written at."""
+    return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
+
+
+def begin_writing(
+    record: StageRecord, checkpoint: tuple[Path, list[str]] | None, console: Console
+) -> MetricsWriter:
+    """From here the stage writes over its earlier result (`record.replacing()`). A fresh start
+    removes an earlier attempt's checkpoints (never to be resumed later) and starts
+    metrics.jsonl over; a resume notes the damaged checkpoints it skipped, records
+    `resumed_from` in the manifest and cuts metrics.jsonl back to its checkpoint's step."""
+    record.replacing()
+    path = record.dir / "metrics.jsonl"
+    if checkpoint is None:
+        drop_checkpoints(record)
+        return MetricsWriter(path, enabled=record.write)
+    folder, notes = checkpoint
+    for note in notes:
+        console.print(f"[yellow]resume[/]: {note}")
+        record.warn(note)
+    record.manifest["resumed_from"] = {"checkpoint": folder.name, "step": checkpoint_step(folder)}
+    if record.write:
+        truncate_metrics(path, checkpoint_step(folder))
+    return MetricsWriter(path, enabled=record.write, resume=True)
+
+
+def drop_checkpoints(record: StageRecord) -> None:
+    """The Trainer's checkpoints go once they cannot be wanted: at a fresh start, and when the
+    stage has saved its result."""
+    if record.write:
+        shutil.rmtree(record.dir / "checkpoints", ignore_errors=True)

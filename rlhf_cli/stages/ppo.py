@@ -43,7 +43,7 @@ from rlhf_cli.ppo.models import PolicyAndValue, ValueModel, hidden_size_of, zero
 from rlhf_cli.ppo.sharding import Engine, build_accelerator, engine_for
 from rlhf_cli.ppo.trainer import PPOContext, summarize, train
 from rlhf_cli.recipe import PpoSection, Recipe
-from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes
+from rlhf_cli.rundir import RunDir, StageRecord
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import (
@@ -59,6 +59,7 @@ from rlhf_cli.tracking import (
     finish_trackers,
     read_metrics,
     tracker_config,
+    truncate_metrics,
 )
 
 
@@ -380,8 +381,8 @@ def _resume(
     )
     console.print(f"resuming from {folder.name} (iteration {state['iteration']})")
     if engine.acc.is_main_process:
-        _truncate_jsonl(stage_dir / "metrics.jsonl", state["iteration"])
-        _truncate_jsonl(stage_dir / "samples.jsonl", state["iteration"])
+        truncate_metrics(stage_dir / "metrics.jsonl", state["iteration"])
+        truncate_metrics(stage_dir / "samples.jsonl", state["iteration"])
     engine.acc.wait_for_everyone()
     return state
 
@@ -394,14 +395,6 @@ def score_moments(cfg: PpoSection, state: dict[str, Any]) -> core.RunningMoments
     if state.get("score_moments"):
         moments.load_state_dict(state["score_moments"])
     return moments
-
-
-def _truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop lines logged after the checkpoint (and a last line cut short by a kill), so the
-    resumed log has one line per iteration."""
-    keep = [json.dumps(row) for row in read_metrics(path) if row.get("step", 0) <= last_step]
-    if path.is_file():
-        atomic_write_bytes(path, ("\n".join(keep) + "\n" if keep else "").encode())
 
 
 def build_actor(

@@ -7,6 +7,7 @@ its own processing, which also avoids its need for an EOS token (MiniLM has none
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -27,12 +28,16 @@ from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import (
-    RichProgressCallback,
+    StageCallback,
+    begin_writing,
+    drop_checkpoints,
     drop_printer,
+    resume_checkpoint,
     seed_everything,
+    train_resumable,
     trainer_kwargs,
 )
-from rlhf_cli.tracking import MetricsWriter, Trackers
+from rlhf_cli.tracking import Trackers
 
 
 def pairwise_eval(scorer: RewardScorer, pairs: list[dict[str, str]]) -> dict[str, float]:
@@ -49,8 +54,9 @@ def pairwise_eval(scorer: RewardScorer, pairs: list[dict[str, str]]) -> dict[str
     }
 
 
-def run_train_rm(recipe: Recipe, console: Console) -> dict[str, Any]:
-    """Train the reward model; write `runs/<name>/rm/`; return its manifest."""
+def run_train_rm(recipe: Recipe, console: Console, resume: bool = False) -> dict[str, Any]:
+    """Train the reward model; write `runs/<name>/rm/`; return its manifest. With `resume`,
+    continue from the newest checkpoint of an interrupted attempt."""
     from accelerate import PartialState
 
     cfg, run = recipe.reward, RunDir.for_recipe(recipe)
@@ -68,16 +74,18 @@ def run_train_rm(recipe: Recipe, console: Console) -> dict[str, Any]:
     seed_everything(recipe.run.seed)
     device = pick_device(recipe.run.device)
     trackers = Trackers.for_stage(recipe.run, "rm", run.stage_dir("rm"))
+    # found before the manifest is touched: a refused --resume leaves the last result intact
+    checkpoint = resume_checkpoint(run.stage_dir("rm"), "rlhf train-rm") if resume else None
     with (
         StageRecord(run, "rm", recipe, inputs={}, write=is_main) as record,
         trackers.environment(),
     ):
         # 1. Data and model: pairs → template text → reward-tokenizer ids, truncation counted.
         data = setup(recipe, run, device, record)
-        start = pairwise_eval(data.scorer, data.eval_pairs)
+        start = pairwise_eval(data.scorer, data.eval_pairs)  # the fresh weights, also on resume
 
         # 2. Train (full fine-tuning, or LoRA merged back afterwards).
-        result, model = train(recipe, data, device, record, console, trackers)
+        result, model = train(recipe, data, device, (record, console), trackers, checkpoint)
 
         # 3. Evaluate on held-out pairs with the scorer PPO will use; save a plain model.
         data.scorer.model = freeze(model)
@@ -139,14 +147,15 @@ def train(
     recipe: Recipe,
     data: RewardData,
     device: torch.device,
-    record: StageRecord,
-    console: Console,
+    out: tuple[StageRecord, Console],
     trackers: Trackers,
+    checkpoint: tuple[Path, list[str]] | None,
 ) -> tuple[Any, Any]:
-    """TRL's RewardTrainer over the pre-tokenised pairs; (its TrainOutput, the plain model)."""
+    """TRL's RewardTrainer over the pre-tokenised pairs, from `checkpoint` when resuming;
+    (its TrainOutput, the plain model)."""
     from trl import RewardConfig, RewardTrainer
 
-    cfg = recipe.reward
+    cfg, (record, console) = recipe.reward, out
     kwargs = trainer_kwargs(
         cfg,
         device,
@@ -158,22 +167,22 @@ def train(
     )
     kwargs["eval_strategy"] = "no"  # held-out pairs are scored by `pairwise_eval` instead
     args = RewardConfig(**kwargs, max_length=cfg.max_length)
-    record.replacing()  # the earlier result's logs and weights are written over from here
-    writer = MetricsWriter(record.dir / "metrics.jsonl", enabled=record.write)
-    progress = RichProgressCallback(console, writer, "train-rm")
+    stage = StageCallback(console, "train-rm")
     trainer = RewardTrainer(
         model=data.scorer.model,
         args=args,
         processing_class=data.scorer.tokenizer,
         train_dataset=data.train_ds,
-        callbacks=[progress],
+        callbacks=[stage],
     )
     drop_printer(trainer)
+    stage.writer = begin_writing(record, checkpoint, console)
     try:
-        result = trainer.train()
+        folder = checkpoint[0] if checkpoint else None
+        result = train_resumable(trainer, stage, folder, console, "rlhf train-rm")
     finally:
-        progress.progress.stop()
-        writer.close()
+        stage.progress.stop()
+        stage.writer.close()
     model = trainer.model.merge_and_unload() if cfg.lora.enabled else trainer.model
     return result, model
 
@@ -214,3 +223,4 @@ def save(
         "eval_pairs": len(eval_pairs),
         "truncated_texts": data.n_truncated,
     }
+    drop_checkpoints(record)  # the result is saved: the resumable state is no longer needed

@@ -18,16 +18,21 @@ from rlhf_cli.modeling import (
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir, StageRecord
 from rlhf_cli.stages.common import (
-    RichProgressCallback,
+    StageCallback,
+    begin_writing,
+    drop_checkpoints,
     drop_printer,
+    resume_checkpoint,
     seed_everything,
+    train_resumable,
     trainer_kwargs,
 )
-from rlhf_cli.tracking import MetricsWriter, Trackers
+from rlhf_cli.tracking import Trackers
 
 
-def run_sft(recipe: Recipe, console: Console) -> dict[str, Any]:
-    """Train the SFT model; write `runs/<name>/sft/`; return its manifest."""
+def run_sft(recipe: Recipe, console: Console, resume: bool = False) -> dict[str, Any]:
+    """Train the SFT model; write `runs/<name>/sft/`; return its manifest. With `resume`,
+    continue from the newest checkpoint of an interrupted attempt."""
     from accelerate import PartialState
 
     if not recipe.sft.enabled:
@@ -39,21 +44,28 @@ def run_sft(recipe: Recipe, console: Console) -> dict[str, Any]:
     is_main = PartialState().is_main_process
     seed_everything(recipe.run.seed)
     trackers = Trackers.for_stage(recipe.run, "sft", run.stage_dir("sft"))
+    # found before the manifest is touched: a refused --resume leaves the last result intact
+    checkpoint = resume_checkpoint(run.stage_dir("sft"), "rlhf sft") if resume else None
     with (
         StageRecord(run, "sft", recipe, inputs={}, write=is_main) as record,
         trackers.environment(),
     ):
         # 1. Data, model and trainer.
-        trainer, writer, progress, n_rows = setup(recipe, run, record, console, trackers)
+        trainer, stage, n_rows = setup(recipe, run, record, console, trackers)
 
-        # 2. Train, with the held-out loss measured before and after.
+        # 2. Train, with the held-out loss measured before (on the fresh weights, also when
+        # resuming: logged once, by the first attempt) and after.
         start_loss = trainer.evaluate()["eval_loss"]
+        stage.writer = begin_writing(record, checkpoint, console)
+        if checkpoint is None:
+            stage.writer.log({"eval_loss": start_loss}, step=0)
         try:
-            result = trainer.train()
+            folder = checkpoint[0] if checkpoint else None
+            result = train_resumable(trainer, stage, folder, console, "rlhf sft")
             final_loss = trainer.evaluate()["eval_loss"]
         finally:
-            progress.progress.stop()
-            writer.close()
+            stage.progress.stop()
+            stage.writer.close()
 
         # 3. Save: the adapter (LoRA) or the whole model, plus the tokenizer.
         if is_main:
@@ -63,10 +75,11 @@ def run_sft(recipe: Recipe, console: Console) -> dict[str, Any]:
 
 def setup(
     recipe: Recipe, run: RunDir, record: StageRecord, console: Console, trackers: Trackers
-) -> tuple[Any, MetricsWriter, RichProgressCallback, tuple[int, int]]:
+) -> tuple[Any, StageCallback, tuple[int, int]]:
     """TRL's SFTTrainer on a seeded train / held-out split, full weights for
     `sft.full_finetune`, else LoRA (on 4-bit weights when asked), trained weights in fp32
-    (`modeling.make_trainable`); its metrics writer and bar; the (train, held-out) row counts."""
+    (`modeling.make_trainable`); its `StageCallback` (progress, log, Ctrl-C checkpoint); the
+    (train, held-out) row counts."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -86,20 +99,18 @@ def setup(
         warmup_steps=cfg.warmup_ratio,
         lr_scheduler_type="cosine",
     )
-    record.replacing()  # the earlier result's logs and weights are written over from here
-    writer = MetricsWriter(record.dir / "metrics.jsonl", enabled=record.write)
-    progress = RichProgressCallback(console, writer, "sft")
+    stage = StageCallback(console, "sft")
     trainer = SFTTrainer(
         model=model,
         args=args,
         processing_class=tokenizer,
         train_dataset=Dataset.from_list(train_rows),
         eval_dataset=Dataset.from_list(eval_rows),
-        callbacks=[progress],
+        callbacks=[stage],
     )
     drop_printer(trainer)
     upcast_trainable(trainer.model)  # TRL casts a QLoRA adapter to bf16: keep fp32 masters
-    return trainer, writer, progress, (len(train_rows), len(eval_rows))
+    return trainer, stage, (len(train_rows), len(eval_rows))
 
 
 def save(
@@ -128,3 +139,4 @@ def save(
         "eval_rows": n_rows[1],
         "train_runtime_s": result.metrics.get("train_runtime"),
     }
+    drop_checkpoints(record)  # the result is saved: the resumable state is no longer needed

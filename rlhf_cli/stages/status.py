@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.errors import StageError
-from rlhf_cli.rundir import RESUMABLE, STAGE_COMMANDS, RunDir, lock_holder
+from rlhf_cli.rundir import STAGE_COMMANDS, RunDir, lock_holder, resumable
 
 # the few numbers that say how each stage went (manifest `metrics` keys)
 KEY_METRICS = {
@@ -48,7 +48,7 @@ def stage_row(run: RunDir, stage: str) -> dict[str, Any]:
             row["pid"] = holder["pid"]
             return row
         row["status"] = "stopped"  # its process is gone without a word
-    if row["status"] in ("stopped", "interrupted") and stage in RESUMABLE:
+    if row["status"] in ("stopped", "interrupted") and resumable(run, stage):
         row["next"] = f"{STAGE_COMMANDS[stage]} --resume"
     elif row["status"] != "completed":
         row["next"] = STAGE_COMMANDS[stage]

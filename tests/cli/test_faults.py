@@ -87,16 +87,27 @@ def test_a_failed_first_stage_of_a_new_run_leaves_nothing_behind(make_recipe, ch
     assert not run.path.exists() and not (run.output_dir / "LATEST").exists()
 
 
-def test_hints_after_an_interrupted_ppo_name_resume(make_recipe, chdir_tmp):
+@pytest.mark.parametrize(
+    "stage, before, consumers",
+    [("sft", [], ["ppo"]), ("rm", ["sft"], ["ppo"]), ("ppo", ["sft"], ["merge", "audit"])],
+)
+def test_hints_after_an_interrupted_stage_name_resume(
+    make_recipe, chdir_tmp, stage, before, consumers
+):
     path = make_recipe()
     recipe = load_recipe(path)
     run = RunDir.for_recipe(recipe)
-    completed(run, "sft", recipe, {"model": "model"})
-    with pytest.raises(KeyboardInterrupt), StageRecord(run, "ppo", recipe, {}) as record:
+    for done in before:
+        completed(run, done, recipe, {"model": "model", "tokenizer": "tokenizer"})
+    with pytest.raises(KeyboardInterrupt), StageRecord(run, stage, recipe, {}) as record:
         record.replacing()
+        (record.dir / "checkpoints" / "checkpoint-1").mkdir(parents=True)  # a stop's checkpoint
         raise KeyboardInterrupt
-    for command in ("merge", "audit"):
-        one_line_error(invoke(command, "--recipe", str(path)), "`rlhf ppo --resume`")
+    assert (run.output_dir / "LATEST").read_text().strip() == "tiny"  # resumable: kept
+    command = {"sft": "rlhf sft", "rm": "rlhf train-rm", "ppo": "rlhf ppo"}[stage]
+    for consumer in consumers:
+        one_line_error(invoke(consumer, "--recipe", str(path)), f"`{command} --resume`")
+    assert json.loads(invoke("status", "--json").stdout)["next"] == f"{command} --resume"
 
 
 # ── files the tool wrote, damaged ────────────────────────────────────────────────────────────
@@ -184,16 +195,17 @@ def test_audit_rows_that_are_not_text_are_refused(make_recipe, chdir_tmp, respon
 
 
 @pytest.mark.slow
-def test_sigterm_during_sft_leaves_an_honest_manifest_and_no_lock(make_recipe, chdir_tmp):
-    path = make_recipe({"sft": {"epochs": 200}})
+@pytest.mark.parametrize("command, stage", [("sft", "sft"), ("train-rm", "rm")])
+def test_sigterm_during_training_checkpoints_and_says_so(make_recipe, chdir_tmp, command, stage):
+    path = make_recipe({"sft": {"epochs": 200}, "reward": {"epochs": 200}})
     run = RunDir.for_recipe(load_recipe(path))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhf_cli.cli", "sft", "--recipe", str(path), "--quiet"],
+        [sys.executable, "-m", "rlhf_cli.cli", command, "--recipe", str(path), "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=chdir_tmp,
     )  # fmt: skip
     try:
         deadline = time.time() + 120
-        while not (run.stage_dir("sft") / "metrics.jsonl").exists():  # training has begun
+        while not (run.stage_dir(stage) / "metrics.jsonl").exists():  # training has begun
             assert time.time() < deadline and proc.poll() is None, proc.stderr.read()
             time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
@@ -201,8 +213,10 @@ def test_sigterm_during_sft_leaves_an_honest_manifest_and_no_lock(make_recipe, c
     finally:
         proc.kill()
     assert proc.returncode == 130, err
-    assert "Traceback" not in err and "nothing was saved" in err
-    assert run.read_manifest("sft")["status"] == "interrupted"
+    assert "Traceback" not in err
+    assert f"saved; `rlhf {command} --resume` continues; the manifest says 'interrupted'" in err
+    assert run.read_manifest(stage)["status"] == "interrupted"
+    assert list((run.stage_dir(stage) / "checkpoints").glob("checkpoint-*/trainer_state.json"))
     assert not (run.path / ".lock").exists()
 
 
@@ -227,6 +241,7 @@ def test_status_after_an_interrupted_ppo_names_resume(make_recipe, chdir_tmp):
         completed(run, stage, recipe, {"model": "model"})
     with pytest.raises(KeyboardInterrupt), StageRecord(run, "ppo", recipe, {}) as record:
         record.replacing()
+        (record.dir / "checkpoints" / "iter_00004").mkdir(parents=True)
         raise KeyboardInterrupt
     result = invoke("status", "--json")
     assert result.exit_code == 0, result.output

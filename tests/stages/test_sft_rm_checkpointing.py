@@ -15,6 +15,7 @@ from rich.console import Console
 from rlhf_cli.modeling import is_checkpointing
 from rlhf_cli.recipe import Recipe, load_recipe
 from rlhf_cli.rundir import RunDir, StageRecord
+from rlhf_cli.tracking import Trackers
 
 pytestmark = pytest.mark.slow
 QUIET = Console(stderr=True, quiet=True)
@@ -31,12 +32,11 @@ def sft_one_step(recipe: Recipe) -> Any:
 
     run = RunDir.for_recipe(recipe)
     with StageRecord(run, "sft", recipe, inputs={}) as record:
-        trainer, writer, progress, _ = setup(recipe, run, record, QUIET)
+        trackers = Trackers.for_stage(recipe.run, "sft", record.dir)
+        trainer, _, _ = setup(recipe, run, record, QUIET, trackers)
         trained = {n: p.dtype for n, p in trainer.model.named_parameters() if p.requires_grad}
         trainer.args.max_steps = 1
         trainer.train()
-        progress.progress.stop()
-        writer.close()
     return trainer, trained
 
 
@@ -106,7 +106,8 @@ def test_reward_training_follows_gradient_checkpointing_with_an_fp32_lora_head(
         trained = {n: p for n, p in data.scorer.model.named_parameters() if p.requires_grad}
         assert any("score" in n for n in trained) and any("lora_" in n for n in trained)
         assert {p.dtype for p in trained.values()} == {torch.float32}
-        result, model = train(recipe, data, CPU, record, QUIET)
+        trackers = Trackers.for_stage(recipe.run, "rm", record.dir)
+        result, model = train(recipe, data, CPU, (record, QUIET), trackers, None)
     assert result.global_step >= 1
     assert is_checkpointing(model) is checkpointing
     data.scorer.model = model.eval()

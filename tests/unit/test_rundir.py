@@ -205,14 +205,22 @@ def test_require_not_completed_stage(run: RunDir, recipe: Recipe, status: str) -
 
 
 @pytest.mark.parametrize("status", ["running", "interrupted"])
-def test_a_stopped_ppo_is_resumed_not_rerun(run: RunDir, recipe: Recipe, status: str) -> None:
-    """Plain `rlhf ppo` discards the checkpoints: the hint names --resume."""
-    with StageRecord(run, "ppo", recipe, inputs={}) as record:
+@pytest.mark.parametrize(
+    "stage, command", [("sft", "rlhf sft"), ("rm", "rlhf train-rm"), ("ppo", "rlhf ppo")]
+)
+def test_a_stopped_stage_with_checkpoints_is_resumed_not_rerun(
+    run: RunDir, recipe: Recipe, status: str, stage: str, command: str
+) -> None:
+    """A plain re-run discards the checkpoints: the hint names --resume while there are some."""
+    with StageRecord(run, stage, recipe, inputs={}) as record:
         pass
     record.manifest["status"] = status
     record.save()
-    with pytest.raises(StageError, match="resume it with `rlhf ppo --resume`"):
-        run.require("ppo", needed_by="rlhf merge")
+    with pytest.raises(StageError, match=f"run `{command}` again first"):
+        run.require(stage, needed_by="rlhf merge")
+    (record.dir / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    with pytest.raises(StageError, match=f"resume it with `{command} --resume`"):
+        run.require(stage, needed_by="rlhf merge")
 
 
 def test_a_stage_still_running_says_so(run: RunDir, recipe: Recipe) -> None:

@@ -18,6 +18,7 @@ from rlhf_cli.tracking import (
     read_metrics,
     require_trackers,
     tracker_config,
+    truncate_metrics,
 )
 
 NOW = 1_700_000_000.123456
@@ -223,11 +224,9 @@ def test_a_damaged_line_before_the_end_names_the_file_and_line(tmp_path, bad):
 
 
 def test_resume_truncation_keeps_whole_lines_up_to_the_checkpoint(tmp_path):
-    from rlhf_cli.stages.ppo import _truncate_jsonl
-
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "lo', encoding="utf-8")
-    _truncate_jsonl(path, 2)
+    truncate_metrics(path, 2)
     assert read_metrics(path) == [{"step": 1}, {"step": 2}]
     assert path.read_text().endswith("}\n")
 

@@ -1,0 +1,138 @@
+"""sft and train-rm never lose work: Ctrl-C (or SIGTERM) finishes the step, writes a Trainer
+checkpoint and stops with the manifest 'interrupted'; `--resume` continues from it and ends
+where the uninterrupted run ends (same log, same weights); a completed stage drops its
+checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+
+from rlhf_cli.errors import StageError
+from rlhf_cli.recipe import load_recipe
+from rlhf_cli.rundir import RunDir
+from rlhf_cli.stages import common
+from rlhf_cli.tracking import read_metrics
+
+pytestmark = pytest.mark.slow
+QUIET = Console(stderr=True, quiet=True)
+SMALL = {
+    "data": {"sft": {"max_samples": 96}, "preferences": {"max_samples": 96}},
+    "sft": {"epochs": 2, "logging_steps": 2, "save_steps": 3},
+    "reward": {"epochs": 1, "logging_steps": 1, "save_steps": 2},
+}
+# stage folder -> (run function, signal, the step it comes at, the checkpoints then on disk).
+# The signal comes at a logging step: the Trainer logs the mean loss since its last log, which
+# a resumed Trainer counts from the checkpoint.
+STAGES = {
+    "sft": ("run_sft", signal.SIGINT, 4, ["checkpoint-3", "checkpoint-4"]),
+    "rm": ("run_train_rm", signal.SIGTERM, 3, ["checkpoint-2", "checkpoint-3"]),
+}
+
+
+def _runner(stage: str) -> Callable[..., dict[str, Any]]:
+    from rlhf_cli.stages import reward, sft
+
+    return getattr(sft if stage == "sft" else reward, STAGES[stage][0])
+
+
+def _signal_at(monkeypatch: pytest.MonkeyPatch, step: int, signum: int) -> None:
+    """The process gets `signum` as step `step` ends, as from a terminal or a scheduler."""
+    real = common.StageCallback.on_step_end
+
+    def on_step_end(self: Any, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == step:
+            os.kill(os.getpid(), signum)
+        real(self, args, state, control, **kw)
+
+    monkeypatch.setattr(common.StageCallback, "on_step_end", on_step_end)
+
+
+def _without(row: dict[str, float], key: str) -> dict[str, float]:
+    return {k: v for k, v in row.items() if k != key}
+
+
+def _rows(path: Path) -> list[dict[str, float]]:
+    """The log without its clock readings (times and throughputs) and TRL's running token
+    count (`num_tokens`, which TRL's checkpoints do not keep)."""
+    clock = ("time", "runtime", "per_second", "preparation_time", "num_tokens")
+    return [
+        {k: v for k, v in row.items() if not any(c in k for c in clock)}
+        for row in read_metrics(path)
+    ]
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm"])
+def test_interrupt_checkpoints_and_resume_reproduces(
+    small_recipe, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    run_stage, (_, signum, step, checkpoints) = _runner(stage), STAGES[stage]
+    whole = load_recipe(small_recipe(tmp_path / "whole", SMALL))
+    expected = run_stage(whole, QUIET)
+    whole_dir = RunDir.for_recipe(whole).stage_dir(stage)
+    assert not (whole_dir / "checkpoints").exists()  # completed: only the result stays
+
+    recipe = load_recipe(small_recipe(tmp_path / "cut", SMALL))
+    stage_dir = RunDir.for_recipe(recipe).stage_dir(stage)
+    with monkeypatch.context() as patch:
+        _signal_at(patch, step, signum)
+        saved = rf"^checkpoint-{step} \(step {step}\) saved; `rlhf .* --resume` continues$"
+        with pytest.raises(KeyboardInterrupt, match=saved):
+            run_stage(recipe, QUIET)
+    manifest = json.loads((stage_dir / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted"
+    on_disk = sorted(p.name for p in (stage_dir / "checkpoints").glob("checkpoint-*"))
+    assert on_disk == checkpoints
+
+    resumed = run_stage(recipe, QUIET, resume=True)
+    assert resumed["status"] == "completed"
+    assert resumed["metrics"]["steps"] == expected["metrics"]["steps"]
+    got_rows, want_rows = _rows(stage_dir / "metrics.jsonl"), _rows(whole_dir / "metrics.jsonl")
+    assert [sorted(r) for r in got_rows] == [sorted(r) for r in want_rows]
+    for got, want in zip(got_rows, want_rows, strict=True):
+        if "train_loss" in want:  # the Trainer's mean over the steps this attempt trained
+            got, want = _without(got, "train_loss"), _without(want, "train_loss")
+        assert got == pytest.approx(want, rel=1e-5), (got, want)
+    assert resumed["resumed_from"] == {"checkpoint": f"checkpoint-{step}", "step": step}
+    for key in ("eval_loss", "eval_loss_start", "eval_accuracy", "eval_margin"):
+        if key in expected["metrics"]:
+            assert resumed["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-5)
+    weights = "model/model.safetensors"  # the tiny SFT is a full fine-tune, the RM a full model
+    got, want = load_file(stage_dir / weights), load_file(whole_dir / weights)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+    assert not (stage_dir / "checkpoints").exists()
+
+
+def test_resume_skips_a_damaged_checkpoint_and_refuses_without_one(
+    small_recipe, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlhf_cli.stages.reward import run_train_rm
+
+    recipe = load_recipe(small_recipe(tmp_path, SMALL))
+    stage_dir = RunDir.for_recipe(recipe).stage_dir("rm")
+    with pytest.raises(StageError, match=r"--resume: no usable checkpoint under .*rm/checkpoints"):
+        run_train_rm(recipe, QUIET, resume=True)
+    assert not stage_dir.exists()  # refused before anything was written
+
+    with monkeypatch.context() as patch:
+        _signal_at(patch, 3, signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            run_train_rm(recipe, QUIET)
+    (stage_dir / "checkpoints" / "checkpoint-3" / "trainer_state.json").write_text("{cut")
+    manifest = run_train_rm(recipe, QUIET, resume=True)
+    assert manifest["status"] == "completed"
+    assert manifest["warnings"] == [
+        "checkpoint checkpoint-3 is damaged (no readable trainer_state.json); skipped"
+    ]
+    assert read_metrics(stage_dir / "metrics.jsonl")[0]["step"] == 1
