@@ -29,7 +29,29 @@ from rlhf_cli.recipe import Recipe, default_recipe_path, load_recipe
 from rlhf_cli.rundir import RunDir, recipe_near
 from rlhf_cli.tracking import make_console, quiet_libraries, require_trackers
 
+FLAG = ""  # a flag's help shows no value type (typer would print <bool>)
+
+
+def _flag_help(option: Any) -> Any:
+    if option is not None:
+        option.metavar = FLAG
+    return option
+
+
+class _Command(typer.core.TyperCommand):
+    """`--help` is a flag too: no `<bool>` beside it."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        return _flag_help(super().get_help_option(ctx))
+
+
+class _Group(typer.core.TyperGroup):
+    def get_help_option(self, ctx: Any) -> Any:
+        return _flag_help(super().get_help_option(ctx))
+
+
 app = typer.Typer(
+    cls=_Group,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -56,7 +78,6 @@ SetOpt = Annotated[
         "--set ppo.learning_rate=1e-5 --set model.lora.r=8.",
     ),
 ]
-FLAG = ""  # a flag's help shows no value type (typer would print <bool>)
 JsonOpt = Annotated[
     bool, typer.Option("--json", metavar=FLAG, help="Print one JSON object on stdout.")
 ]
@@ -174,7 +195,7 @@ def _stage(
     _emit(manifest, as_json, quiet, f"rlhf {stage} · run '{resolved.run.name}'")
 
 
-@app.command()
+@app.command(cls=_Command)
 @_exit_on_errors
 def validate(
     recipe: RecipeOpt = None,
@@ -191,7 +212,7 @@ def validate(
         typer.echo(resolved.to_yaml(), nl=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_exit_on_errors
 def sft(
     recipe: RecipeOpt = None,
@@ -207,7 +228,7 @@ def sft(
     _stage(functools.partial(run_sft, resume=resume), "sft", recipe, as_json, quiet, runs_dir, sets)
 
 
-@app.command("train-rm")
+@app.command("train-rm", cls=_Command)
 @_exit_on_errors
 def train_rm(
     recipe: RecipeOpt = None,
@@ -224,7 +245,7 @@ def train_rm(
     _stage(run, "rm", recipe, as_json, quiet, runs_dir, sets)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_exit_on_errors
 def ppo(
     recipe: RecipeOpt = None,
@@ -241,7 +262,7 @@ def ppo(
     _stage(run, "ppo", recipe, as_json, quiet, runs_dir, sets)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_exit_on_errors
 def audit(
     checkpoint: Annotated[
@@ -282,7 +303,7 @@ def audit(
         raise HackingDetected("reward hacking detected: " + ", ".join(report["flags"]))
 
 
-@app.command()
+@app.command(cls=_Command)
 @_exit_on_errors
 def merge(
     stage: Annotated[
@@ -304,7 +325,7 @@ def merge(
     _stage(run, "merged", recipe, as_json, quiet, runs_dir, sets)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_exit_on_errors
 def push(
     adapter_only: Annotated[
@@ -349,7 +370,7 @@ def push(
         )
 
 
-@app.command()
+@app.command(cls=_Command)
 @_exit_on_errors
 def status(
     run: Annotated[str | None, typer.Argument(help="Run name (default: the latest run).")] = None,
@@ -386,7 +407,7 @@ def status(
     out.print(f"next: {result['next']}" if result["next"] else "next: nothing to run now")
 
 
-@app.command()
+@app.command(cls=_Command)
 @_exit_on_errors
 def report(
     run: Annotated[str | None, typer.Argument(help="Run name (default: the latest run).")] = None,
@@ -400,7 +421,7 @@ def report(
     typer.echo(json.dumps(paths) if as_json else f"wrote {paths['png']} and {paths['html']}")
 
 
-@app.command()
+@app.command(cls=_Command)
 @_exit_on_errors
 def compare(
     prompt: Annotated[

@@ -13,6 +13,9 @@ bug and keeps its traceback.
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class RlhfError(Exception):
     """A user-facing error: bad input, missing stage, unusable hardware. Exit 2."""
@@ -39,6 +42,16 @@ def checkpoint_mismatch(folder: object, why: str) -> StageError:
         f"checkpoint {folder} does not match this recipe's trainable weights ({why}): start a "
         "new run name or drop --resume"
     )
+
+
+def write_remedy(exc: OSError) -> str:
+    """What to do about an OSError from a write, by its cause."""
+    if exc.errno == errno.ENOSPC:
+        return "free disk space"
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        where = os.path.dirname(str(exc.filename)) if exc.filename else "the run folder"
+        return f"make {where} writable"
+    return "fix that"
 
 
 class DataError(RlhfError):

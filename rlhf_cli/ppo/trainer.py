@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from rlhf_cli.errors import CheckpointWriteError, NonFiniteError
+from rlhf_cli.errors import CheckpointWriteError, NonFiniteError, write_remedy
 from rlhf_cli.generation import Generator, response_logprobs, row_seed, score_temperature
 from rlhf_cli.modeling import Reference
 from rlhf_cli.ppo import core
@@ -357,8 +357,8 @@ def checkpoint(ctx: PPOContext, iteration: int) -> Path:
         previous = sorted(p.name for p in (ctx.stage_dir / "checkpoints").glob("iter_*"))
         raise CheckpointWriteError(
             f"writing checkpoint iter_{iteration:05d} failed ({exc.strerror or exc}); "
-            f"the previous checkpoint ({previous[-1] if previous else 'none'}) and the "
-            "manifest are intact: free space, then `rlhf ppo --resume`"
+            f"the previous checkpoint ({previous[-1] if previous else 'none'}) is intact and "
+            f"the manifest records this failure: {write_remedy(exc)}, then `rlhf ppo --resume`"
         ) from None
 
 

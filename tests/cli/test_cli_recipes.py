@@ -106,10 +106,12 @@ def test_every_stage_is_a_command():
         "report",
         "compare",
     } <= listed, out
-    for command in sorted(listed):
-        result = CliRunner().invoke(app, [command, "--help"], terminal_width=120)
+    for command in [*sorted(listed), None]:
+        args = [command, "--help"] if command else ["--help"]
+        result = CliRunner().invoke(app, args, terminal_width=120)
         assert result.exit_code == 0 and "Usage" in result.output, command
-        typed_flags = [x for x in result.output.splitlines() if "<bool>" in x and "--help" not in x]
+        assert "--help" in result.output
+        typed_flags = [x for x in result.output.splitlines() if "<bool>" in x]
         assert not typed_flags, typed_flags  # a flag takes no value: no type shown
 
 

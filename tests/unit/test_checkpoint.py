@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import os
 import random
 
 import numpy as np
@@ -383,3 +385,19 @@ def test_a_checkpoint_written_before_per_process_rng_files_still_resumes(tmp_pat
     fresh.load(folder)
     assert draws(fresh.sampler) == expected
     assert torch.equal(fresh.policy.head.weight, saved.policy.head.weight)
+
+
+@pytest.mark.parametrize(
+    "code, remedy",
+    [
+        (errno.ENOSPC, "free disk space"),
+        (errno.EACCES, "make /runs/x/ppo/checkpoints writable"),
+        (errno.EROFS, "make /runs/x/ppo/checkpoints writable"),
+        (errno.EIO, "fix that"),
+    ],
+)
+def test_a_failed_write_says_what_to_do_by_its_cause(code, remedy):
+    from rlhf_cli.errors import write_remedy
+
+    exc = OSError(code, os.strerror(code), "/runs/x/ppo/checkpoints/.iter_00008.tmp1")
+    assert write_remedy(exc) == remedy
