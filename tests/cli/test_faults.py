@@ -155,6 +155,51 @@ def test_an_output_dir_that_is_a_file_is_refused_by_validate(make_recipe, chdir_
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("command", ["sft", "train-rm", "ppo", "audit", "report"])
+def test_a_run_folder_that_refuses_writes_is_one_line(make_recipe, chdir_tmp, monkeypatch, command):
+    """A read-only run folder, as the operating system answers it (root ignores chmod, so
+    every file opened for writing under the run is refused the way a read-only one is). The
+    audit scores a responses file with a rule-based reward, so it reaches its write."""
+    import builtins
+    import errno
+
+    politeness = f"{Path(__file__).parents[2] / 'examples' / 'rewards.py'}:politeness"
+    path = make_recipe({"reward": {"functions": [{"function": politeness}]}})
+    answers = chdir_tmp / "answers.jsonl"
+    answers.write_text(json.dumps({"prompt": "Hi?", "response": "Hello, thanks!"}) + "\n")
+    recipe = load_recipe(path)
+    run = RunDir.for_recipe(recipe)
+    for stage in ("sft", "rm", "ppo"):
+        completed(run, stage, recipe, {"model": "model", "tokenizer": "tokenizer"})
+    (run.stage_dir("ppo") / "metrics.jsonl").write_text('{"iteration": 1, "step": 1}\n')
+    inside = str(run.path.resolve())
+
+    def refused(file: object) -> bool:
+        return str(Path(os.fsdecode(file)).resolve()).startswith(inside)
+
+    real_os_open, real_open = os.open, builtins.open
+
+    def os_open(file, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and refused(file):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(file))
+        return real_os_open(file, flags, *args, **kwargs)
+
+    def open_(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and set(mode) & set("wax+") and refused(file):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(builtins, "open", open_)
+    args = {"report": ["report"], "audit": ["audit", "--responses", str(answers)]}.get(
+        command, [command]
+    )
+    result = invoke(*args, "--recipe", str(path)) if command != "report" else invoke(*args)
+    monkeypatch.undo()
+    one_line_error(result, f"{run.path.name}/", "Permission denied")
+    assert run.read_manifest("sft")["status"] == "completed"
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_run_folder_is_one_line(make_recipe, chdir_tmp):
     path = make_recipe()
