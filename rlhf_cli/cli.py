@@ -400,6 +400,8 @@ def status(
         shown = row["status"] + (f" (pid {row['pid']})" if "pid" in row else "")
         if "last_attempt" in row:
             shown += f"; last attempt {row['last_attempt']}"
+        if "from_run" in row:
+            shown += f" (run {row['from_run']}'s)"
         numbers = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in row.get("metrics", {}).items())  # fmt: skip
         table.add_row(row["stage"], shown, row.get("finished_at") or "", numbers)

@@ -87,6 +87,13 @@ class RunSection(Section):
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
     )
     output_dir: str = _f("runs", "Folder holding all runs and the `LATEST` pointer.")
+    base: str | None = _f(
+        None,
+        "Another run under the same `output_dir` whose `sft` and `rm` this run uses when it has "
+        "none of its own, e.g. PPO variants on one SFT model and reward model: "
+        "`rlhf ppo --set run.name=lr1e-5 --set run.base=tiny`.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+    )
     seed: int = _f(42, "Seed for Python, NumPy and torch; set once per stage.")
     device: Literal["auto", "cpu", "cuda"] = _f(
         "auto", "`auto` uses CUDA when present, else the CPU."
@@ -105,6 +112,12 @@ class RunSection(Section):
         "wins, as MLflow's own rule); each stage logs as the tracker run `<name>-<stage>`.",
         min_length=1,
     )
+
+    @model_validator(mode="after")
+    def _another_run(self) -> RunSection:
+        if self.base == self.name:
+            raise ValueError(f"run.base names this run itself ({self.name})")
+        return self
 
     @field_validator("output_dir")
     @classmethod

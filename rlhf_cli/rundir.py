@@ -37,6 +37,7 @@ STAGE_COMMANDS = {
     "push": "rlhf push",
 }
 RESUMABLE = {"sft", "rm", "ppo"}  # stages whose command takes --resume
+INHERITED = ("sft", "rm")  # stages a run may take from its `run.base`
 VERSIONED_PACKAGES = (
     "torch",
     "transformers",
@@ -102,14 +103,20 @@ def package_versions() -> dict[str, str]:
 class RunDir:
     """Paths of one run, its stages' manifests, and the `LATEST` pointer."""
 
-    def __init__(self, output_dir: str | Path, name: str):
+    def __init__(self, output_dir: str | Path, name: str, base: str | None = None):
         self.output_dir = Path(output_dir)
-        self.name = name
+        self.name, self.base = name, base
         self.path = self.output_dir / name
 
     @classmethod
     def for_recipe(cls, recipe: Recipe) -> RunDir:
-        return cls(recipe.run.output_dir, recipe.run.name)
+        return cls(recipe.run.output_dir, recipe.run.name, recipe.run.base)
+
+    def owner(self, stage: str) -> RunDir:
+        """The run whose `stage` this one uses: its own, else `run.base`'s (`sft`, `rm`)."""
+        if self.base is None or stage not in INHERITED or self.manifest_path(stage).is_file():
+            return self
+        return RunDir(self.output_dir, self.base)
 
     @classmethod
     def latest(cls, output_dir: str | Path = "runs") -> RunDir | None:
@@ -216,7 +223,7 @@ class RunDir:
         if manifest is None:
             raise StageError(
                 f"{needed_by} needs the {stage} stage of run '{self.name}', which is "
-                f"missing ({self.stage_dir(stage)}): run `{command}` first"
+                f"missing ({self.stage_dir(stage)}): run `{command}` first{self._base_hint(stage)}"
             )
         status = manifest.get("status")
         if status == "completed":
@@ -237,6 +244,18 @@ class RunDir:
             f"{needed_by} needs the {stage} stage of run '{self.name}', whose status is "
             f"{shown}: {hint}"
         )
+
+    def _base_hint(self, stage: str) -> str:
+        """For a missing `sft` / `rm`: the other runs that completed it, as `run.base`."""
+        if stage not in INHERITED or self.base is not None:
+            return ""
+        others = [
+            run.name
+            for run in (RunDir(self.output_dir, p.parent.parent.name) for p in
+                        sorted(self.output_dir.glob(f"*/{stage}/manifest.json")))
+            if run.name != self.name and stage in run.completed_stages()
+        ]  # fmt: skip
+        return f", or take it from run '{others[0]}': --set run.base={others[0]}" if others else ""
 
     def input_record(self, stage: str) -> dict[str, str]:
         """How a consuming stage records an input: its folder and its manifest's hash."""

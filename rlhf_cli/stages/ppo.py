@@ -496,8 +496,9 @@ def check_fit(recipe: Recipe, policy: Any, reward_model: Any, reward_tokenizer: 
 
 def prompt_overlap(run: RunDir, prompts: list[str]) -> int:
     """PPO prompts the reward model was trained on (the guide's "same data" mistake)."""
-    manifest = run.read_manifest("rm")
+    source = run.owner("rm")
+    manifest = source.read_manifest("rm")
     if not manifest or "train_prompts" not in manifest.get("outputs", {}):
         return 0
-    seen = set(json.loads(run.resolve_output("rm", manifest, "train_prompts").read_text()))
+    seen = set(json.loads(source.resolve_output("rm", manifest, "train_prompts").read_text()))
     return sum(p in seen for p in prompts)

@@ -56,8 +56,15 @@ def stage_row(run: RunDir, stage: str) -> dict[str, Any]:
 
 
 def run_status(run: RunDir) -> dict[str, Any]:
-    """Every stage of `run`, and the one command to type next (None when all is done)."""
-    rows = [stage_row(run, stage) for stage in PIPELINE]
+    """Every stage of `run` (an `sft` / `rm` it takes from its `run.base` shown as that run's),
+    and the one command to type next (None when all is done)."""
+    run = RunDir(run.output_dir, run.name, _snapshot_base(run))
+    rows = []
+    for stage in PIPELINE:
+        owner = run.owner(stage)
+        rows.append(stage_row(owner, stage))
+        if owner is not run:
+            rows[-1]["from_run"] = owner.name
     advice = next((r["next"] for r in rows if "next" in r), None)
     if advice is None and all(r["status"] in ("missing", "completed") for r in rows):
         missing = [r["stage"] for r in rows if r["status"] == "missing"]
@@ -86,3 +93,14 @@ def all_runs(output_dir: Path) -> list[dict[str, Any]]:
             }
         )
     return runs
+
+
+def _snapshot_base(run: RunDir) -> str | None:
+    """`run.base` of the run's recipe snapshot (None when it has none or cannot be read)."""
+    import yaml
+
+    try:
+        snapshot = yaml.safe_load(run.recipe_path().read_text(encoding="utf-8"))
+        return snapshot["run"].get("base")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return None

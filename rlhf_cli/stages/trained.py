@@ -40,12 +40,13 @@ def policy_source(
     if not recipe.sft.enabled:
         name = recipe.model.name_or_path
         return name, None, recipe.model.tokenizer or name
-    manifest = run.require("sft", needed_by)
-    inputs["sft"] = run.input_record("sft")
-    tokenizer = str(run.resolve_output("sft", manifest, "tokenizer"))
+    source = run.owner("sft")  # this run's, or its `run.base`'s
+    manifest = source.require("sft", needed_by)
+    inputs["sft"] = source.input_record("sft")
+    tokenizer = str(source.resolve_output("sft", manifest, "tokenizer"))
     if "model" in manifest["outputs"]:
-        return str(run.resolve_output("sft", manifest, "model")), None, tokenizer
-    return recipe.model.name_or_path, run.resolve_output("sft", manifest, "adapter"), tokenizer
+        return str(source.resolve_output("sft", manifest, "model")), None, tokenizer
+    return recipe.model.name_or_path, source.resolve_output("sft", manifest, "adapter"), tokenizer
 
 
 def reward_source(
@@ -58,10 +59,11 @@ def reward_source(
     if recipe.reward.pretrained is not None:
         name = recipe.reward.pretrained
         return name, recipe.reward.tokenizer or name
-    manifest = run.require("rm", needed_by)
-    inputs["rm"] = run.input_record("rm")
-    path = str(run.resolve_output("rm", manifest, "model"))
-    return path, str(run.resolve_output("rm", manifest, "tokenizer"))
+    source = run.owner("rm")  # this run's, or its `run.base`'s
+    manifest = source.require("rm", needed_by)
+    inputs["rm"] = source.input_record("rm")
+    path = str(source.resolve_output("rm", manifest, "model"))
+    return path, str(source.resolve_output("rm", manifest, "tokenizer"))
 
 
 @dataclass
@@ -149,7 +151,7 @@ def load_scorer(recipe: Recipe, run: RunDir, device: torch.device) -> RewardScor
     stage, no `reward.pretrained`, no functions). A failed or damaged `rm` stage is an error,
     not a silent None."""
     cfg = recipe.reward
-    no_model = cfg.pretrained is None and run.read_manifest("rm") is None
+    no_model = cfg.pretrained is None and run.owner("rm").read_manifest("rm") is None
     if no_model and not (cfg.functions or cfg.url):
         return None
     if no_model:

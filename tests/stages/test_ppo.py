@@ -480,3 +480,26 @@ def test_resume_after_the_lora_rank_changed_is_refused_and_keeps_the_result(
     manifest = run.read_manifest("ppo")
     assert manifest["status"] == "completed" and manifest["last_attempt"]["status"] == "failed"
     assert (run.stage_dir("ppo") / manifest["outputs"]["adapter"]).is_dir()
+
+
+def test_a_variant_run_takes_sft_and_rm_from_its_base(ppo_recipe, pipeline, tmp_path, small_recipe):
+    """PPO variants on one SFT and reward model: `run.base` names the run they come from, and
+    the manifest records that run's stages as the inputs."""
+    from rlhf_cli.stages.ppo import run_ppo
+    from rlhf_cli.stages.status import run_status
+
+    recipe = ppo_recipe(
+        pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 2},
+        run={"name": "variant", "base": "tiny"},
+    )  # fmt: skip
+    manifest = run_ppo(recipe, QUIET)
+    runs = tmp_path / "runs"
+    assert manifest["status"] == "completed" and manifest["metrics"]["iterations"] == 2
+    assert {k: Path(v["path"]) for k, v in manifest["inputs"].items()} == {
+        "sft": runs / "tiny" / "sft",
+        "rm": runs / "tiny" / "rm",
+    }
+    assert sorted(p.name for p in (runs / "variant").iterdir() if p.is_dir()) == ["ppo"]
+    rows = {r["stage"]: r for r in run_status(RunDir.for_recipe(recipe))["stages"]}
+    assert rows["sft"]["from_run"] == rows["rm"]["from_run"] == "tiny"
+    assert rows["ppo"]["status"] == "completed" and "from_run" not in rows["ppo"]

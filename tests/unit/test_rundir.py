@@ -314,3 +314,38 @@ def test_run_files_follow_the_umask(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert (tmp_path / "m.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_run_takes_sft_and_rm_from_its_base_only_where_it_has_none(recipe: Recipe) -> None:
+    base_run = RunDir(recipe.run.output_dir, "base")
+    for stage in ("sft", "rm", "ppo"):
+        with StageRecord(base_run, stage, recipe, inputs={}):
+            pass
+    variant = RunDir(recipe.run.output_dir, "variant", base="base")
+    assert variant.owner("sft").name == "base" and variant.owner("rm").name == "base"
+    assert variant.owner("ppo") is variant  # only sft and rm are taken
+    assert variant.owner("sft").require("sft", "rlhf ppo")["status"] == "completed"
+    with StageRecord(variant, "sft", recipe, inputs={}):
+        pass
+    assert variant.owner("sft") is variant  # its own, once it has one
+    assert RunDir(recipe.run.output_dir, "plain").owner("sft").name == "plain"
+
+
+def test_a_missing_sft_names_a_run_to_take_it_from(recipe: Recipe) -> None:
+    alone = RunDir(recipe.run.output_dir, "first")
+    with pytest.raises(StageError, match=r"run `rlhf sft` first$"):
+        alone.require("sft", "rlhf ppo")
+    with StageRecord(alone, "sft", recipe, inputs={}):
+        pass
+    with pytest.raises(
+        StageError,
+        match=r"run `rlhf sft` first, or take it from run 'first': --set run.base=first$",
+    ):
+        RunDir(recipe.run.output_dir, "second").require("sft", "rlhf ppo")
+
+
+def test_a_run_cannot_be_its_own_base() -> None:
+    from rlhf_cli.recipe import RunSection
+
+    with pytest.raises(ValueError, match=r"run.base names this run itself \(x\)"):
+        RunSection(name="x", base="x")
