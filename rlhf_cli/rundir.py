@@ -19,7 +19,7 @@ import os
 import platform
 import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from types import TracebackType
@@ -319,6 +319,35 @@ def _restore(path: Path, data: bytes | None) -> None:
             os.unlink(path)
     else:
         atomic_write_bytes(path, data)
+
+
+def newest_whole(
+    root: Path, prefix: str, problem: Callable[[Path], str | None]
+) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint folder `<root>/<prefix><N>` (by N) that `problem` finds whole
+    (None), and a note for each newer one skipped."""
+    notes = []
+    found = [f for f in root.glob(f"{prefix}*") if f.is_dir() and f.name[len(prefix) :].isdigit()]
+    for folder in sorted(found, key=lambda f: int(f.name[len(prefix) :]), reverse=True):
+        why = problem(folder)
+        if why is None:
+            return folder, notes
+        notes.append(f"checkpoint {folder.name} is corrupt ({why}); skipped")
+    return None, notes
+
+
+def resume_point(
+    root: Path, prefix: str, problem: Callable[[Path], str | None], command: str
+) -> tuple[Path, list[str]]:
+    """`newest_whole`, or a StageError when there is none: `--resume` cannot continue."""
+    folder, notes = newest_whole(root, prefix, problem)
+    if folder is None:
+        raise StageError(
+            f"--resume: no usable checkpoint under {root}"
+            + (f" ({len(notes)} damaged)" if notes else "")
+            + f"; run `{command}` without --resume to start over"
+        )
+    return folder, notes
 
 
 def resumable(run: RunDir, stage: str) -> bool:

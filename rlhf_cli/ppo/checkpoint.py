@@ -129,18 +129,6 @@ def verify(folder: Path) -> str | None:
     return None
 
 
-def newest_valid(root: Path) -> tuple[Path | None, list[str]]:
-    """The newest whole checkpoint, and a note for each newer one that was skipped."""
-    notes = []
-    folders = [f for f in root.glob("iter_*") if f.is_dir() and f.name[5:].isdigit()]
-    for folder in sorted(folders, key=lambda f: int(f.name[5:]), reverse=True):
-        problem = verify(folder)
-        if problem is None:
-            return folder, notes
-        notes.append(f"checkpoint {folder.name} is corrupt ({problem}); skipped")
-    return None, notes
-
-
 def load_checkpoint(
     folder: Path,
     *,

@@ -13,8 +13,8 @@ import torch
 from rich.console import Console
 from transformers import TrainerCallback
 
-from rlhf_cli.errors import StageError, checkpoint_mismatch
-from rlhf_cli.rundir import StageRecord, graceful_stop
+from rlhf_cli.errors import checkpoint_mismatch
+from rlhf_cli.rundir import StageRecord, graceful_stop, resume_point
 from rlhf_cli.tracking import MetricsWriter, Trackers, make_progress, truncate_metrics
 
 
@@ -166,18 +166,7 @@ def resume_checkpoint(stage_dir: Path, command: str) -> tuple[Path, list[str]]:
     """The newest whole Trainer checkpoint under `stage_dir/checkpoints` and a note for each
     newer, damaged one skipped; StageError when there is none. The Trainer writes
     `trainer_state.json` last, so a checkpoint without a readable one was cut short."""
-    root, notes = stage_dir / "checkpoints", []
-    found = [f for f in root.glob("checkpoint-*") if f.is_dir() and f.name[11:].isdigit()]
-    for folder in sorted(found, key=lambda f: int(f.name[11:]), reverse=True):
-        problem = _checkpoint_problem(folder)
-        if problem is None:
-            return folder, notes
-        notes.append(f"checkpoint {folder.name} is damaged ({problem}); skipped")
-    raise StageError(
-        f"--resume: no usable checkpoint under {root}"
-        + (f" ({len(notes)} damaged)" if notes else "")
-        + f"; run `{command}` without --resume to start over"
-    )
+    return resume_point(stage_dir / "checkpoints", "checkpoint-", _checkpoint_problem, command)
 
 
 def _checkpoint_problem(folder: Path) -> str | None:

@@ -21,7 +21,7 @@ from rich.markup import escape
 from safetensors.torch import save_file
 
 from rlhf_cli.data import audit_prompts, load_prompts, split_heldout
-from rlhf_cli.errors import DataError, ModelLoadError, StageError
+from rlhf_cli.errors import DataError, ModelLoadError
 from rlhf_cli.generation import Generator, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
@@ -37,13 +37,13 @@ from rlhf_cli.modeling import (
     trainable_state,
 )
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo.checkpoint import load_checkpoint, newest_valid
+from rlhf_cli.ppo.checkpoint import load_checkpoint, verify
 from rlhf_cli.ppo.health import HealthMonitor
 from rlhf_cli.ppo.models import PolicyAndValue, ValueModel, hidden_size_of, zero_value_head
 from rlhf_cli.ppo.sharding import Engine, build_accelerator, engine_for
 from rlhf_cli.ppo.trainer import PPOContext, summarize, train
 from rlhf_cli.recipe import PpoSection, Recipe
-from rlhf_cli.rundir import RunDir, StageRecord
+from rlhf_cli.rundir import RunDir, StageRecord, resume_point
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import (
@@ -90,7 +90,8 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     sources = PpoSources(*policy_source(recipe, run, inputs), *reward_source(recipe, run, inputs))
     seed_everything(recipe.run.seed)  # the same fresh LoRA weights on every process
     # found before the manifest is touched: a refused --resume leaves the last result's intact
-    checkpoint = resume_point(run.stage_dir("ppo")) if resume else None
+    checkpoints = run.stage_dir("ppo") / "checkpoints"
+    checkpoint = resume_point(checkpoints, "iter_", verify, "rlhf ppo") if resume else None
     with StageRecord(
         run, "ppo", recipe, inputs=inputs, write=accelerator.is_main_process
     ) as record:
@@ -342,28 +343,15 @@ def _live_eval(
     return evaluate
 
 
-def resume_point(stage_dir: Path) -> tuple[Path, list[str]]:
-    """The newest whole checkpoint under `stage_dir/checkpoints` and a note for each newer,
-    damaged one skipped; StageError when there is none."""
-    folder, notes = newest_valid(stage_dir / "checkpoints")
-    if folder is None:
-        raise StageError(
-            f"--resume: no usable checkpoint under {stage_dir / 'checkpoints'}"
-            + (f" ({len(notes)} damaged)" if notes else "")
-            + "; run `rlhf ppo` without --resume to start over"
-        )
-    return folder, notes
-
-
 def _resume(
     record: StageRecord,
     checkpoint: tuple[Path, list[str]],
     parts: tuple[Engine, Any, Any, Any, Any, torch.Generator],
     console: Console,
 ) -> dict[str, Any]:
-    """Restore `checkpoint` (from `resume_point`) in place into `parts` (engine, prepared actor,
-    optimizer, scheduler, KL controller, prompt sampler); return its `state.json` (iteration,
-    health rules fired, score moments)."""
+    """Restore `checkpoint` (from `rundir.resume_point`) in place into `parts` (engine,
+    prepared actor, optimizer, scheduler, KL controller, prompt sampler); return its
+    `state.json` (iteration, health rules fired, score moments)."""
     folder, notes = checkpoint
     for note in notes:
         console.print(f"[yellow]resume[/]: {note}")

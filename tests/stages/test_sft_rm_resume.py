@@ -133,6 +133,6 @@ def test_resume_skips_a_damaged_checkpoint_and_refuses_without_one(
     manifest = run_train_rm(recipe, QUIET, resume=True)
     assert manifest["status"] == "completed"
     assert manifest["warnings"] == [
-        "checkpoint checkpoint-3 is damaged (no readable trainer_state.json); skipped"
+        "checkpoint checkpoint-3 is corrupt (no readable trainer_state.json); skipped"
     ]
     assert read_metrics(stage_dir / "metrics.jsonl")[0]["step"] == 1

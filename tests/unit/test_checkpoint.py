@@ -17,6 +17,7 @@ from rlhf_cli.ppo import checkpoint as ckpt
 from rlhf_cli.ppo.core import AdaptiveKLController, FixedKLController
 from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.ppo.sharding import Engine
+from rlhf_cli.rundir import newest_whole
 
 FILES = [
     "optimizer.pt",
@@ -179,7 +180,7 @@ def test_newest_valid_picks_the_newest_whole_checkpoint(tmp_path):
     parts = Parts(0)
     for iteration in (2, 4, 10):
         parts.save(tmp_path, iteration)
-    folder, notes = ckpt.newest_valid(tmp_path)
+    folder, notes = newest_whole(tmp_path, "iter_", ckpt.verify)
     assert folder == tmp_path / "iter_00010" and notes == []
 
 
@@ -188,7 +189,7 @@ def test_newest_valid_orders_by_iteration_number_not_by_name(tmp_path):
     for iteration in (99999, 100000):
         parts.save(tmp_path, iteration)
     (tmp_path / "iter_notes.txt").write_text("not a checkpoint")
-    folder, notes = ckpt.newest_valid(tmp_path)
+    folder, notes = newest_whole(tmp_path, "iter_", ckpt.verify)
     assert folder == tmp_path / "iter_100000" and notes == []
 
 
@@ -200,7 +201,7 @@ def test_newest_valid_skips_corrupt_ones_with_a_note_each(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     (tmp_path / "iter_00006" / "checkpoint.json").unlink()
     (tmp_path / "iter_00004" / "checkpoint.json").write_text("not json")
-    folder, notes = ckpt.newest_valid(tmp_path)
+    folder, notes = newest_whole(tmp_path, "iter_", ckpt.verify)
     assert folder == tmp_path / "iter_00002"
     assert notes == [
         "checkpoint iter_00008 is corrupt (policy.safetensors does not match its checksum); "
@@ -211,10 +212,10 @@ def test_newest_valid_skips_corrupt_ones_with_a_note_each(tmp_path):
 
 
 def test_newest_valid_with_nothing_usable(tmp_path):
-    assert ckpt.newest_valid(tmp_path / "absent") == (None, [])
+    assert newest_whole(tmp_path / "absent", "iter_", ckpt.verify) == (None, [])
     Parts(0).save(tmp_path, 3)
     (tmp_path / "iter_00003" / "checkpoint.json").unlink()
-    folder, notes = ckpt.newest_valid(tmp_path)
+    folder, notes = newest_whole(tmp_path, "iter_", ckpt.verify)
     assert folder is None and len(notes) == 1 and "iter_00003" in notes[0]
 
 
@@ -224,7 +225,7 @@ def test_a_leftover_temporary_folder_is_never_picked(tmp_path):
     whole = parts.save(tmp_path / "elsewhere", 9)  # a complete, verifying folder ...
     whole.rename(tmp_path / ".iter_00009.tmp4242")  # ... left under its temporary name
     assert ckpt.verify(tmp_path / ".iter_00009.tmp4242") is None
-    assert ckpt.newest_valid(tmp_path) == (tmp_path / "iter_00001", [])
+    assert newest_whole(tmp_path, "iter_", ckpt.verify) == (tmp_path / "iter_00001", [])
 
 
 def test_failed_write_leaves_no_folder_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
