@@ -19,7 +19,6 @@ import json
 import shutil
 
 import pytest
-import torch
 from launching import (
     CONFIGS,
     ENGINE_NAME,
@@ -39,28 +38,37 @@ from rlhf_cli.rundir import RunDir
 pytestmark = pytest.mark.slow
 
 
+# three iterations, a checkpoint after each: the third is dropped to resume from the second
+SHARDED = {**SAMPLED, "iterations": 3}
+
+
 @pytest.fixture(scope="module")
 def one_process(ppo_recipe, pipeline, small_recipe, tmp_path_factory) -> RunDir:
     """The same recipe on one process: the numbers every layout must reproduce."""
     from rlhf_cli.stages.ppo import run_ppo
 
-    path = recipe_in(tmp_path_factory.mktemp("one"), ppo_recipe, pipeline, small_recipe, SAMPLED)
+    path = recipe_in(tmp_path_factory.mktemp("one"), ppo_recipe, pipeline, small_recipe, SHARDED)
     recipe = load_recipe(path)
     run_ppo(recipe, Console(stderr=True, quiet=True))
     return RunDir.for_recipe(recipe)
 
 
 @pytest.mark.parametrize("engine", list(CONFIGS))
-def test_two_processes_match_one_process(
+def test_two_processes_match_one_process_and_resume_to_it(
     engine, one_process, ppo_recipe, pipeline, small_recipe, tmp_path
 ):
-    recipe_in(tmp_path, ppo_recipe, pipeline, small_recipe, SAMPLED)
-    run = launch(engine, tmp_path)
-    state = json.loads(
-        (run.stage_dir("ppo") / "checkpoints" / "iter_00002" / "state.json").read_text()
-    )
+    """The run matches one process (numbers and final adapter); then, stopped after its second
+    iteration, it resumes to the same numbers: each process restores its own RNG state and the
+    engine's sharded optimizer state."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    recipe_in(whole, ppo_recipe, pipeline, small_recipe, SHARDED)
+    run = launch(engine, whole)
+    checkpoints = run.stage_dir("ppo") / "checkpoints"
+    state = json.loads((checkpoints / "iter_00002" / "state.json").read_text())
     assert (state["engine"], state["processes"]) == (ENGINE_NAME[engine], 2)
-    assert_same_numbers(rows(run), rows(one_process))
+    uninterrupted = rows(run)
+    assert [r["ppo/optimizer_steps"] for r in uninterrupted] == [2.0, 2.0, 2.0]  # 2 x 8 / (4 x 2)
+    assert_same_numbers(uninterrupted, rows(one_process))
     # the final adapter, saved once from the gathered weights, is the one-process adapter
     mine = load_file(run.stage_dir("ppo") / "adapter" / "adapter_model.safetensors")
     theirs = load_file(one_process.stage_dir("ppo") / "adapter" / "adapter_model.safetensors")
@@ -69,25 +77,12 @@ def test_two_processes_match_one_process(
         assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-6)
     assert any(t.abs().max() > 1e-4 for t in mine.values())  # trained: the test can tell
 
-
-@pytest.mark.parametrize("engine", list(CONFIGS))
-def test_sharded_resume_reproduces_the_uninterrupted_run(
-    engine, ppo_recipe, pipeline, small_recipe, tmp_path
-):
-    """Each process restores its own RNG state and the engine's sharded optimizer state."""
-    ppo = {**SAMPLED, "iterations": 3}
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    recipe_in(whole, ppo_recipe, pipeline, small_recipe, ppo)
-    uninterrupted = rows(launch(engine, whole))
-    assert [r["ppo/optimizer_steps"] for r in uninterrupted] == [2.0, 2.0, 2.0]  # 2 x 8 / (4 x 2)
-
     shutil.copytree(whole, resumed)
     recipe = (resumed / "recipe.yaml").read_text().replace(str(whole), str(resumed))
     (resumed / "recipe.yaml").write_text(recipe)
-    run = RunDir.for_recipe(load_recipe(resumed / "recipe.yaml"))
-    shutil.rmtree(run.stage_dir("ppo") / "checkpoints" / "iter_00003")  # stopped after 2
+    again = RunDir.for_recipe(load_recipe(resumed / "recipe.yaml"))
+    shutil.rmtree(again.stage_dir("ppo") / "checkpoints" / "iter_00003")  # stopped after 2
     sharded_state = "optimizer.pt" if engine == "ddp" else "engine"  # DeepSpeed's, or DCP's
-    assert (run.stage_dir("ppo") / "checkpoints" / "iter_00002" / sharded_state).exists()
+    assert (again.stage_dir("ppo") / "checkpoints" / "iter_00002" / sharded_state).exists()
     launch(engine, resumed, "--resume")
-    assert_same_numbers(rows(run), uninterrupted)
-    assert torch.isfinite(torch.tensor(rows(run)[-1]["env/reward_mean"]))
+    assert_same_numbers(rows(again), uninterrupted)
