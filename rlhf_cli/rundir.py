@@ -353,7 +353,11 @@ def resume_point(
 def resumable(run: RunDir, stage: str) -> bool:
     """`stage` of `run` has checkpoints its command's `--resume` can start from."""
     checkpoints = run.stage_dir(stage) / "checkpoints"
-    return stage in RESUMABLE and checkpoints.is_dir() and any(checkpoints.iterdir())
+    return (
+        stage in RESUMABLE
+        and checkpoints.is_dir()
+        and any(p.is_dir() and not p.name.startswith(".") for p in checkpoints.iterdir())
+    )
 
 
 class StageRecord:

@@ -218,7 +218,12 @@ def test_a_stopped_stage_with_checkpoints_is_resumed_not_rerun(
     record.save()
     with pytest.raises(StageError, match=f"run `{command}` again first"):
         run.require(stage, needed_by="rlhf merge")
-    (record.dir / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    (record.dir / "checkpoints").mkdir()
+    (record.dir / "checkpoints" / "README.md").write_text("TRL's model card, no checkpoint")
+    (record.dir / "checkpoints" / ".iter_00002.tmp42").mkdir()  # a write cut short
+    with pytest.raises(StageError, match=f"run `{command}` again first"):
+        run.require(stage, needed_by="rlhf merge")
+    (record.dir / "checkpoints" / "checkpoint-2").mkdir()
     with pytest.raises(StageError, match=f"resume it with `{command} --resume`"):
         run.require(stage, needed_by="rlhf merge")
 
