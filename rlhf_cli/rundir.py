@@ -19,11 +19,14 @@ import os
 import platform
 import signal
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+import yaml
 
 from rlhf_cli.errors import StageError
 from rlhf_cli.recipe import Recipe
@@ -140,7 +143,16 @@ class RunDir:
                 f"no run {'named ' + repr(name) if name else 'yet'} under "
                 f"{output_dir}: run `rlhf sft` first"
             )
+        run.base = run.snapshot_base()
         return run
+
+    def snapshot_base(self) -> str | None:
+        """`run.base` of the run's recipe snapshot (None when it has none or cannot be read)."""
+        try:
+            snapshot = yaml.safe_load(self.recipe_path().read_text(encoding="utf-8"))
+            return snapshot["run"].get("base")
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+            return None
 
     @classmethod
     def of_stage_dir(cls, folder: Path) -> tuple[RunDir, str]:
@@ -235,8 +247,10 @@ class RunDir:
                 f"running (pid {holder['pid']}, since {holder.get('since', '?')}): wait for it "
                 "to finish"
             )
-        if status in ("running", "interrupted") and resumable(self, stage):  # stopped, or killed
+        if resumable(self, stage):  # stopped, killed, or failed after a checkpoint
             hint = f"resume it with `{command} --resume`"
+            if status == "failed":
+                hint += f" (or start over with `{command}`)"
         else:
             hint = f"run `{command}` again first"
         shown = "stopped (its process is gone)" if status == "running" else f"'{status}'"
@@ -406,6 +420,13 @@ class StageRecord:
         if message not in self.manifest["warnings"]:
             self.manifest["warnings"].append(message)
 
+    def previous_recipe_sha256(self) -> str | None:
+        """The recipe hash of the stage's manifest before this attempt (None: none, unreadable)."""
+        try:
+            return json.loads(self._before.get("manifest") or b"null")["recipe_sha256"]
+        except (ValueError, TypeError, KeyError):
+            return None
+
     def replacing(self) -> None:
         """From here on the stage writes over its earlier outputs: a failure is recorded as
         this stage's result."""
@@ -445,9 +466,8 @@ class StageRecord:
         try:
             if exc_type is None or self._replacing or not self.write:
                 self.save()
-                stopped = self.manifest["status"] == "interrupted"
-                kept = self.run.completed_stages() or stopped and resumable(self.run, self.stage)
-                if exc_type is not None and not kept:
+                kept = self.run.completed_stages() or resumable(self.run, self.stage)
+                if exc_type is not None and not kept and self.write:
                     _restore(self.run.output_dir / "LATEST", self._before.get("latest"))
             else:
                 self._undo()
@@ -490,18 +510,25 @@ def recipe_near(path: Path | None) -> Path | None:
     return None
 
 
+REPEAT_S = 2.0  # a second signal sooner than this after the first is the same Ctrl-C
+
+
 @contextlib.contextmanager
 def graceful_stop(console: Any, unit: str) -> Iterator[dict[str, Any]]:
     """The first SIGINT / SIGTERM asks the training loop to stop after this `unit` (iteration,
-    step) and its checkpoint; a second stops at once. The loop sets `flag["saved"]` to the
+    step) and its checkpoint; a second stops at once. A signal within `REPEAT_S` seconds of the
+    first counts as the same one: a launcher (torchrun, `accelerate launch`) forwards the
+    terminal's Ctrl-C to workers that got it already. The loop sets `flag["saved"]` to the
     newest checkpoint it wrote, so the KeyboardInterrupt can say what was saved."""
-    flag: dict[str, Any] = {"stop": False, "saved": None}
+    flag: dict[str, Any] = {"stop": False, "saved": None, "at": 0.0}
 
     def handler(signum: int, frame: Any) -> None:
+        if flag["stop"] and time.monotonic() - flag["at"] < REPEAT_S:
+            return
         if flag["stop"]:
             newest = flag["saved"] or "none from this session"
             raise KeyboardInterrupt(f"stopped at once; the newest checkpoint is {newest}")
-        flag["stop"] = True
+        flag["stop"], flag["at"] = True, time.monotonic()
         console.print(
             f"\n[yellow]stopping[/]: finishing this {unit} and writing a checkpoint "
             "(press Ctrl-C again to stop at once)"

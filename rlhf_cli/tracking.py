@@ -148,13 +148,17 @@ class Trackers:
         try:
             yield
         finally:
-            if "trackio" in self.names:  # reopened by the log of an evaluation after training
-                _finish_trackio()
-            for key, value in before.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            try:  # a run reopened by the log of an evaluation after training is finished here
+                if "trackio" in self.names:
+                    _finish_trackio()
+                if "mlflow" in self.names:
+                    _end_mlflow_run()
+            finally:
+                for key, value in before.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
 
     def for_accelerate(self) -> list[Any]:
         """accelerate's tracker objects for `Accelerator(log_with=...)`, named like the
@@ -197,6 +201,13 @@ def _finish_trackio() -> None:
 
     if trackio.context_vars.current_run.get() is not None:
         trackio.finish()
+
+
+def _end_mlflow_run() -> None:
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.end_run()
 
 
 def require_trackers(trackers: list[str]) -> None:

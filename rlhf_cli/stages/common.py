@@ -82,21 +82,25 @@ class StageCallback(TrainerCallback):
     """What the stage adds to TRL's trainer: a rich progress bar over optimiser steps, every
     log line into metrics.jsonl once `writer` is set (`begin_writing`), and the Ctrl-C
     checkpoint: with `rundir.graceful_stop`'s `flag` (set by `train_resumable`), after the step
-    in which Ctrl-C or SIGTERM came to any process the Trainer writes a checkpoint and stops.
-    What the Trainer logs after that checkpoint (its end-of-training summary) is not kept, so a
-    resumed log reads as an uninterrupted one.
+    in which Ctrl-C or SIGTERM came to any process, every process decides to stop (`stopping`),
+    the Trainer writes a checkpoint and stops, skipping the end-of-epoch evaluation. What it
+    logs after that checkpoint (its end-of-training summary) is not kept, so a resumed log reads
+    as an uninterrupted one. A signal during the last step stops nothing: training is done, and
+    the Trainer's own end-of-training checkpoint is not written (the stage saves its result).
 
     TRL's own `RichProgressCallback` does not serve: it draws on a new stdout console (so
     `--json` output would not be JSON alone), ignores `--quiet`, and keeps no log."""
 
     def __init__(self, console: Console, description: str):
-        self.console, self.description = console, description
+        self.description = description
         self.writer: MetricsWriter | None = None
         self.flag: dict[str, Any] = {"stop": False, "saved": None}
+        self.began = self.stopping = self.closed = False
         self.progress = make_progress(console)
         self.task: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.began = True  # a resumed checkpoint has loaded by now
         if state.is_world_process_zero:
             self.progress.start()
             self.task = self.progress.add_task(self.description, total=state.max_steps, info="")
@@ -104,20 +108,27 @@ class StageCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.task is not None:
             self.progress.update(self.task, completed=state.global_step)
+        if state.global_step >= state.max_steps:
+            control.should_save = False  # done: the stage saves the result itself
+            return
         stop = torch.tensor(float(self.flag["stop"]), device=args.device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
         if stop.item():
-            control.should_save = control.should_training_stop = True
+            self.stopping = control.should_save = control.should_training_stop = True
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.stopping:
+            control.should_evaluate = False
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.flag["saved"] = f"checkpoint-{state.global_step} (step {state.global_step})"
-        self.flag["closed"] = self.flag["stop"]  # the stop's checkpoint: the log ends here
+        self.closed = self.stopping  # the stop's checkpoint: the log ends here
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
-        if not state.is_world_process_zero or not logs or self.flag.get("closed"):
+        if not state.is_world_process_zero or not logs or self.closed:
             return
         row = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float))}
         if self.writer is not None:
@@ -147,18 +158,19 @@ def train_resumable(
 ) -> Any:
     """`trainer.train()`, from `checkpoint` when resuming. The first Ctrl-C / SIGTERM finishes
     the step, writes a checkpoint and stops with a KeyboardInterrupt naming it; a second stops
-    at once. A checkpoint whose weights the recipe no longer builds is a StageError."""
+    at once. A checkpoint the recipe's model or optimizer no longer fits (the LoRA rank or
+    modules moved: torch's shape check, or the optimizer's parameter groups) is a StageError;
+    errors after it loaded are the training's own."""
     with graceful_stop(console, "step") as flag:
         stage.flag = flag
         try:
             result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-        except RuntimeError as exc:  # torch's shape check: the LoRA rank or modules moved
-            if checkpoint is None or ("size" not in str(exc) and "shape" not in str(exc)):
+        except (RuntimeError, ValueError) as exc:
+            if checkpoint is None or stage.began:
                 raise
             raise checkpoint_mismatch(checkpoint, str(exc).splitlines()[0][:200]) from None
-    if flag["stop"]:
-        saved = flag["saved"] or "no checkpoint"
-        raise KeyboardInterrupt(f"{saved} saved; `{command} --resume` continues")
+    if stage.stopping:
+        raise KeyboardInterrupt(f"{flag['saved']} saved; `{command} --resume` continues")
     return result
 
 
@@ -170,17 +182,26 @@ def resume_checkpoint(stage_dir: Path, command: str) -> tuple[Path, list[str]]:
 
 
 def _checkpoint_problem(folder: Path) -> str | None:
+    """What is missing from a Trainer checkpoint (None: whole). DeepSpeed keeps weights and
+    optimizer in `global_step*/`; otherwise the weights (safetensors, or FSDP's files), the
+    optimizer and `scheduler.pt` must be there: without the latter transformers would resume
+    with a fresh optimizer and schedule, silently."""
     try:
         step = json.loads((folder / "trainer_state.json").read_text())["global_step"]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
         return "no readable trainer_state.json"
     if not isinstance(step, int):
         return "trainer_state.json has no step"
-    weights = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json")
-    if not any((folder / name).is_file() for name in weights):
+    if any(folder.glob("global_step*")):
+        return None
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*")):
         return "no weights"
-    if not (folder / "optimizer.pt").is_file():
-        return "no optimizer.pt"
+    if not any(
+        (folder / name).exists() for name in ("optimizer.pt", "optimizer.bin", "optimizer_0")
+    ):
+        return "no optimizer state"
+    if not (folder / "scheduler.pt").is_file():
+        return "no scheduler.pt"
     return None
 
 
@@ -189,19 +210,28 @@ def checkpoint_step(folder: Path) -> int:
     return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
 
 
+RECIPE_CHANGED = (
+    "the recipe differs from the interrupted attempt's: the checkpoint's optimizer and schedule "
+    "(learning rate included) and its place in the data carry on as they were"
+)
+
+
 def begin_writing(
     record: StageRecord, checkpoint: tuple[Path, list[str]] | None, console: Console
 ) -> MetricsWriter:
     """From here the stage writes over its earlier result (`record.replacing()`). A fresh start
     removes an earlier attempt's checkpoints (never to be resumed later) and starts
-    metrics.jsonl over; a resume notes the damaged checkpoints it skipped, records
-    `resumed_from` in the manifest and cuts metrics.jsonl back to its checkpoint's step."""
+    metrics.jsonl over; a resume notes the damaged checkpoints it skipped and a recipe changed
+    since the interrupted attempt, records `resumed_from` in the manifest and cuts
+    metrics.jsonl back to its checkpoint's step."""
     record.replacing()
     path = record.dir / "metrics.jsonl"
     if checkpoint is None:
         drop_checkpoints(record)
         return MetricsWriter(path, enabled=record.write)
     folder, notes = checkpoint
+    if record.previous_recipe_sha256() not in (None, record.manifest["recipe_sha256"]):
+        notes = [*notes, RECIPE_CHANGED]
     for note in notes:
         console.print(f"[yellow]resume[/]: {note}")
         record.warn(note)

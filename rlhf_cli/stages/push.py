@@ -39,7 +39,9 @@ def _metrics(manifest: dict[str, Any], keep: Callable[[str], bool] = lambda k: T
 
 def _how_it_was_made(recipe: Recipe, run: RunDir) -> list[str]:
     """The card's table: each stage's settings and results (from its manifest)."""
-    sft, rm, ppo, audits = (run.read_manifest(s) or {} for s in ("sft", "rm", "ppo", "audit"))
+    sft, rm, ppo, audits = (  # sft and rm may be those of `run.base`
+        run.owner(s).read_manifest(s) or {} for s in ("sft", "rm", "ppo", "audit")
+    )
     # the audit of the final PPO policy, whatever was audited after it (checkpoints, files)
     audit = {"metrics": audits.get("reports", {}).get("ppo", {})}
     if not audit["metrics"] and audits.get("last") == "ppo":  # written before `reports` was

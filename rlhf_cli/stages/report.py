@@ -102,7 +102,7 @@ def run_report(run: RunDir) -> dict[str, str]:
     plot_metrics(rows, png, f"rlhf-cli · run {run.name} · {len(rows)} iterations")
     sections = []
     for stage in ("sft", "rm", "ppo", "audit", "merged"):
-        manifest = run.read_manifest(stage)
+        manifest = run.owner(stage).read_manifest(stage)  # sft and rm may be `run.base`'s
         if manifest:
             summary = {"status": manifest["status"], **manifest.get("metrics", {})}
             sections.append(

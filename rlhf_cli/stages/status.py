@@ -48,7 +48,7 @@ def stage_row(run: RunDir, stage: str) -> dict[str, Any]:
             row["pid"] = holder["pid"]
             return row
         row["status"] = "stopped"  # its process is gone without a word
-    if row["status"] in ("stopped", "interrupted") and resumable(run, stage):
+    if row["status"] in ("stopped", "interrupted", "failed") and resumable(run, stage):
         row["next"] = f"{STAGE_COMMANDS[stage]} --resume"
     elif row["status"] != "completed":
         row["next"] = STAGE_COMMANDS[stage]
@@ -58,7 +58,7 @@ def stage_row(run: RunDir, stage: str) -> dict[str, Any]:
 def run_status(run: RunDir) -> dict[str, Any]:
     """Every stage of `run` (an `sft` / `rm` it takes from its `run.base` shown as that run's),
     and the one command to type next (None when all is done)."""
-    run = RunDir(run.output_dir, run.name, _snapshot_base(run))
+    run = RunDir(run.output_dir, run.name, run.snapshot_base())
     rows = []
     for stage in PIPELINE:
         owner = run.owner(stage)
@@ -93,14 +93,3 @@ def all_runs(output_dir: Path) -> list[dict[str, Any]]:
             }
         )
     return runs
-
-
-def _snapshot_base(run: RunDir) -> str | None:
-    """`run.base` of the run's recipe snapshot (None when it has none or cannot be read)."""
-    import yaml
-
-    try:
-        snapshot = yaml.safe_load(run.recipe_path().read_text(encoding="utf-8"))
-        return snapshot["run"].get("base")
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, AttributeError):
-        return None

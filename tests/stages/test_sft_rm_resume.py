@@ -21,6 +21,7 @@ from rlhf_cli.errors import StageError
 from rlhf_cli.recipe import load_recipe
 from rlhf_cli.rundir import RunDir
 from rlhf_cli.stages import common
+from rlhf_cli.stages.common import RECIPE_CHANGED
 from rlhf_cli.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -130,9 +131,11 @@ def test_resume_skips_a_damaged_checkpoint_and_refuses_without_one(
         with pytest.raises(KeyboardInterrupt):
             run_train_rm(recipe, QUIET)
     (stage_dir / "checkpoints" / "checkpoint-3" / "trainer_state.json").write_text("{cut")
-    manifest = run_train_rm(recipe, QUIET, resume=True)
+    changed = {**SMALL, "reward": {**SMALL["reward"], "learning_rate": 1e-5}}
+    manifest = run_train_rm(load_recipe(small_recipe(tmp_path, changed)), QUIET, resume=True)
     assert manifest["status"] == "completed"
     assert manifest["warnings"] == [
-        "checkpoint checkpoint-3 is corrupt (no readable trainer_state.json); skipped"
+        "checkpoint checkpoint-3 is corrupt (no readable trainer_state.json); skipped",
+        RECIPE_CHANGED,
     ]
     assert read_metrics(stage_dir / "metrics.jsonl")[0]["step"] == 1

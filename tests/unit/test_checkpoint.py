@@ -402,3 +402,35 @@ def test_a_failed_write_says_what_to_do_by_its_cause(code, remedy):
 
     exc = OSError(code, os.strerror(code), "/runs/x/ppo/checkpoints/.iter_00008.tmp1")
     assert write_remedy(exc) == remedy
+
+
+@pytest.mark.parametrize(
+    "files, problem",
+    [
+        (["model.safetensors", "optimizer.pt", "scheduler.pt"], None),
+        (["adapter_model.safetensors", "optimizer.pt", "scheduler.pt"], None),
+        (["global_step4/mp_rank_00_model_states.pt"], None),  # DeepSpeed's layout
+        (["pytorch_model_fsdp_0/x.distcp", "optimizer_0/y.distcp", "scheduler.pt"], None),
+        (["optimizer.pt", "scheduler.pt"], "no weights"),
+        (["model.safetensors", "scheduler.pt"], "no optimizer state"),
+        (["model.safetensors", "optimizer.pt"], "no scheduler.pt"),  # transformers would skip both
+    ],
+)
+def test_a_trainer_checkpoint_is_whole_only_with_what_resume_loads(tmp_path, files, problem):
+    from rlhf_cli.stages.common import resume_checkpoint
+
+    def write(folder, names, step):
+        for name in names:
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(b"x")
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+
+    older = tmp_path / "checkpoints" / "checkpoint-2"
+    write(older, ["model.safetensors", "optimizer.pt", "scheduler.pt"], 2)
+    folder = tmp_path / "checkpoints" / "checkpoint-4"
+    write(folder, files, 4)
+    if problem is None:
+        assert resume_checkpoint(tmp_path, "rlhf sft") == (folder, [])
+    else:
+        note = f"checkpoint checkpoint-4 is corrupt ({problem}); skipped"
+        assert resume_checkpoint(tmp_path, "rlhf sft") == (older, [note])

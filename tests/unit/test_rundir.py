@@ -354,3 +354,52 @@ def test_a_run_cannot_be_its_own_base() -> None:
 
     with pytest.raises(ValueError, match=r"run.base names this run itself \(x\)"):
         RunSection(name="x", base="x")
+
+
+def test_a_repeat_signal_from_a_launcher_is_the_same_ctrl_c(monkeypatch) -> None:
+    """torchrun forwards the terminal's Ctrl-C to workers that got it already: a second
+    signal within REPEAT_S is the same one; a later one stops at once, saying what was saved."""
+    import os
+    import signal
+
+    from rich.console import Console
+
+    from rlhf_cli import rundir
+
+    clock = [100.0]
+    monkeypatch.setattr(rundir.time, "monotonic", lambda: clock[0])
+    with rundir.graceful_stop(Console(quiet=True), "step") as flag:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag["stop"]
+        clock[0] += rundir.REPEAT_S / 2
+        os.kill(os.getpid(), signal.SIGTERM)  # forwarded: ignored
+        flag["saved"] = "checkpoint-4 (step 4)"
+        clock[0] += rundir.REPEAT_S
+        with pytest.raises(
+            KeyboardInterrupt, match=r"newest checkpoint is checkpoint-4 \(step 4\)"
+        ):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_a_failed_stage_with_checkpoints_is_resumed_or_started_over(
+    run: RunDir, recipe: Recipe
+) -> None:
+    with pytest.raises(RuntimeError), StageRecord(run, "sft", recipe, inputs={}) as record:
+        record.replacing()
+        (record.dir / "checkpoints" / "checkpoint-8").mkdir(parents=True)
+        raise RuntimeError("out of memory")
+    with pytest.raises(
+        StageError, match=r"resume it with `rlhf sft --resume` \(or start over with `rlhf sft`\)"
+    ):
+        run.require("sft", needed_by="rlhf ppo")
+    assert (run.output_dir / "LATEST").read_text().strip() == "demo"  # resumable: kept
+
+
+def test_a_process_that_does_not_write_never_touches_latest(run: RunDir, recipe: Recipe) -> None:
+    with StageRecord(run, "sft", recipe, inputs={}):
+        pass
+    with pytest.raises(RuntimeError), StageRecord(run, "rm", recipe, {}, write=False) as record:
+        record.replacing()
+        raise RuntimeError("rank 1 failed")
+    assert (run.output_dir / "LATEST").read_text().strip() == "demo"

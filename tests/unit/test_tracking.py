@@ -177,7 +177,7 @@ def test_the_environment_is_set_for_the_stage_and_restored(tmp_path, monkeypatch
     monkeypatch.setenv("WANDB_PROJECT", "users-own")
     monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "users-experiment")
-    trackers = Trackers(("mlflow",), "proj", "r-sft", "r", tmp_path / "tensorboard")
+    trackers = Trackers(("tensorboard",), "proj", "r-sft", "r", tmp_path / "tensorboard")
     with trackers.environment():
         assert os.environ["TENSORBOARD_LOGGING_DIR"] == str(tmp_path / "tensorboard")
         assert os.environ["WANDB_PROJECT"] == "proj"
@@ -247,3 +247,46 @@ def test_console_writes_to_stderr_and_json_mode_is_quiet(capsys, quiet, json_mod
     out, err = capsys.readouterr()
     assert out == ""
     assert ("hello from the console" in err) is shown
+
+
+def _step(callback, step: int, max_steps: int = 10, save: bool = False):
+    """`on_step_end` after transformers' DefaultFlowCallback asked to save (`save`) or not."""
+    from types import SimpleNamespace
+
+    import torch
+
+    args = SimpleNamespace(device=torch.device("cpu"))
+    state = SimpleNamespace(global_step=step, max_steps=max_steps, is_world_process_zero=True)
+    control = SimpleNamespace(should_save=save, should_training_stop=False, should_evaluate=True)
+    callback.on_step_end(args, state, control)
+    return args, state, control
+
+
+def test_the_stage_callback_stops_after_the_step_of_a_signal(tmp_path):
+    """Ctrl-C: save, stop, no end-of-epoch evaluation, and nothing logged after the stop's
+    checkpoint; a signal in the last step changes nothing, and the Trainer's end-of-training
+    checkpoint is not written (the stage saves its result)."""
+    from rich.console import Console
+
+    from rlhf_cli.stages.common import StageCallback
+
+    callback = StageCallback(Console(quiet=True), "sft")
+    callback.writer = MetricsWriter(tmp_path / "metrics.jsonl")
+    _, _, control = _step(callback, 3)
+    assert not (control.should_save or control.should_training_stop or callback.stopping)
+    callback.flag["stop"] = True
+    args, state, control = _step(callback, 4)
+    assert callback.stopping and control.should_save and control.should_training_stop
+    callback.on_log(args, state, control, logs={"loss": 1.5})  # the stop step's own log: kept
+    callback.on_save(args, state, control)
+    assert callback.flag["saved"] == "checkpoint-4 (step 4)" and callback.closed
+    callback.on_epoch_end(args, state, control)
+    assert not control.should_evaluate
+    callback.on_log(args, state, control, logs={"train_loss": 1.0})  # the summary: dropped
+    callback.writer.close()
+    assert [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1.5]
+
+    last = StageCallback(Console(quiet=True), "sft")
+    last.flag["stop"] = True
+    _, _, control = _step(last, 10, save=True)  # its end-of-training save, set before ours
+    assert not (control.should_save or control.should_training_stop or last.stopping)
