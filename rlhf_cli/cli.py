@@ -123,10 +123,8 @@ def _exit_on_errors(fn: F) -> F:
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt as exc:  # the training stages say which checkpoint they saved
             saved = str(exc) or "nothing was saved"
-            err.print(
-                f"[yellow]interrupted[/]: {escape(saved)}; the manifest says 'interrupted'",
-                soft_wrap=True,
-            )
+            note = getattr(exc, "manifest_note", "no run was changed")
+            err.print(f"[yellow]interrupted[/]: {escape(saved)}; {escape(note)}", soft_wrap=True)
             raise typer.Exit(130) from None
         except OSError as exc:  # the machine said no: a read-only folder, a file in the way
             if exc.filename is None:

@@ -463,6 +463,12 @@ class StageRecord:
             first = str(exc).splitlines()[0] if str(exc) else ""
             self.manifest["error"] = f"{exc_type.__name__}: {first}"
         self.manifest["finished_at"] = now_iso()
+        if exc is not None and self.write:  # the one-line report says what became of it
+            exc.manifest_note = (  # type: ignore[union-attr]
+                f"the manifest says '{self.manifest['status']}'"
+                if self._replacing
+                else "the stage's earlier state is kept"
+            )
         try:
             if exc_type is None or self._replacing or not self.write:
                 self.save()

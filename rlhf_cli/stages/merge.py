@@ -39,17 +39,18 @@ def run_merge(
     from peft import PeftModel
 
     run = RunDir.for_recipe(recipe)
-    manifest = run.require(stage, "rlhf merge")
+    source = run.owner(stage)  # an sft of `run.base` when this run has none
+    manifest = source.require(stage, "rlhf merge")
     if "adapter" not in manifest["outputs"]:
         raise StageError(
-            f"the {stage} stage of run '{run.name}' trained all weights (no LoRA "
+            f"the {stage} stage of run '{source.name}' trained all weights (no LoRA "
             f"adapter): its model folder is already complete, nothing to merge"
         )
-    adapter = run.resolve_output(stage, manifest, "adapter")
+    adapter = source.resolve_output(stage, manifest, "adapter")
     device = pick_device(recipe.run.device)
     model_cfg = merge_model_config(recipe)
     base, sft_adapter, tok_source = policy_source(recipe, run, {}, "rlhf merge")
-    inputs = {stage: run.input_record(stage)}
+    inputs = {stage: source.input_record(stage)}
     with StageRecord(run, "merged", recipe, inputs=inputs) as record:
         # 1. Base in full precision (the SFT model for a PPO adapter), then the adapter.
         with console.status(f"loading the base in {model_cfg.dtype} and the {stage} adapter"):

@@ -265,6 +265,33 @@ def test_sigterm_during_training_checkpoints_and_says_so(make_recipe, chdir_tmp,
     assert not (run.path / ".lock").exists()
 
 
+def test_sigterm_during_an_audit_keeps_the_earlier_report(make_recipe, chdir_tmp, monkeypatch):
+    """SIGTERM while the audit measures (here: a responses file) stops it with 130 and one
+    line; the earlier audit of the same file and the audit manifest stay as they were."""
+    from rlhf_cli.stages import audit
+
+    measure = audit.audit_responses
+
+    def measure_then_sigterm(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's stop arrives mid-way
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(audit, "audit_responses", measure_then_sigterm)
+    path = make_recipe()
+    recipe = load_recipe(path)
+    run = RunDir.for_recipe(recipe)
+    before = completed(run, "audit", recipe, {"responses-answers": "responses-answers.json"})
+    report = run.stage_dir("audit") / "responses-answers.json"
+    report.write_text('{"earlier": true}')
+    answers = chdir_tmp / "answers.jsonl"
+    answers.write_text(json.dumps({"prompt": "Hi?", "response": "Hello, thanks!"}) + "\n")
+    result = invoke("audit", "--responses", str(answers), "--recipe", str(path))
+    assert result.exit_code == 130, result.output
+    assert result.output == "interrupted: nothing was saved; no run was changed\n"
+    assert report.read_text() == '{"earlier": true}'
+    assert run.read_manifest("audit") == before
+
+
 def test_auditing_a_file_says_it_is_a_file(make_recipe, chdir_tmp):
     readme = chdir_tmp / "README.md"
     readme.write_text("# not a model\n")
