@@ -113,11 +113,12 @@ class RunSection(Section):
         min_length=1,
     )
 
-    @model_validator(mode="after")
-    def _another_run(self) -> RunSection:
-        if self.base == self.name:
-            raise ValueError(f"run.base names this run itself ({self.name})")
-        return self
+    @field_validator("base")
+    @classmethod
+    def _another_run(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and value == info.data.get("name"):
+            raise ValueError(f"names this run itself ({value}): name another run")
+        return value
 
     @field_validator("output_dir")
     @classmethod

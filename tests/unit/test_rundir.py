@@ -352,7 +352,7 @@ def test_a_missing_sft_names_a_run_to_take_it_from(recipe: Recipe) -> None:
 def test_a_run_cannot_be_its_own_base() -> None:
     from rlhf_cli.recipe import RunSection
 
-    with pytest.raises(ValueError, match=r"run.base names this run itself \(x\)"):
+    with pytest.raises(ValueError, match=r"names this run itself \(x\): name another run"):
         RunSection(name="x", base="x")
 
 
