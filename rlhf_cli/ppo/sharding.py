@@ -181,6 +181,9 @@ class Engine:
         if set(weights) != expected:
             raise checkpoint_mismatch(folder, f"{len(set(weights) ^ expected)} names differ")
         params = dict(unwrapped.policy.named_parameters())
+        reshaped = [n for n, t in weights.items() if t.shape != params[n].shape]
+        if reshaped:  # copy_ would broadcast a rank-1 LoRA into any rank without a word
+            raise checkpoint_mismatch(folder, f"{len(reshaped)} shapes differ, e.g. {reshaped[0]}")
         with torch.no_grad():
             for name, tensor in weights.items():
                 params[name].copy_(tensor.to(params[name].device))

@@ -372,6 +372,20 @@ def test_different_trainable_weights_are_refused_before_anything_changes(tmp_pat
     assert other.scheduler.last_epoch == 0
 
 
+def test_weights_of_another_shape_are_refused_even_where_they_would_broadcast(tmp_path):
+    """A rank-1 LoRA matrix would broadcast into any rank: the shapes are compared first."""
+    folder = Parts(0).save(tmp_path, 1)  # head.weight (1, 2), head.bias (1,)
+    other = Parts(1)
+    other.policy.head = torch.nn.Linear(2, 3)  # (3, 2) and (3,): copy_ would broadcast
+    other.optimizer = torch.optim.AdamW(other.policy.head.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in other.policy.head.parameters()]
+    with pytest.raises(StageError, match=r"does not match .*\(2 shapes differ, e.g. head\."):
+        other.load(folder)
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, other.policy.head.parameters(), strict=True)
+    )
+
+
 def test_a_checkpoint_written_before_per_process_rng_files_still_resumes(tmp_path):
     saved = Parts(0)
     saved.train_steps(1)
