@@ -41,6 +41,8 @@ STAGE_COMMANDS = {
 }
 RESUMABLE = {"sft", "rm", "ppo"}  # stages whose command takes --resume
 INHERITED = ("sft", "rm")  # stages a run may take from its `run.base`
+PPO_CHECKPOINT, TRAINER_CHECKPOINT = "iter_", "checkpoint-"  # + the iteration / step number
+CHECKPOINT_PREFIXES = (PPO_CHECKPOINT, TRAINER_CHECKPOINT)
 VERSIONED_PACKAGES = (
     "torch",
     "transformers",
@@ -263,13 +265,13 @@ class RunDir:
         """For a missing `sft` / `rm`: the other runs that completed it, as `run.base`."""
         if stage not in INHERITED or self.base is not None:
             return ""
-        others = [
-            run.name
-            for run in (RunDir(self.output_dir, p.parent.parent.name) for p in
-                        sorted(self.output_dir.glob(f"*/{stage}/manifest.json")))
-            if run.name != self.name and stage in run.completed_stages()
-        ]  # fmt: skip
-        return f", or take it from run '{others[0]}': --set run.base={others[0]}" if others else ""
+        for path in sorted(self.output_dir.glob(f"*/{stage}/manifest.json")):
+            other = RunDir(self.output_dir, path.parent.parent.name)
+            with contextlib.suppress(StageError):
+                done = (other.read_manifest(stage) or {}).get("status") == "completed"
+                if other.name != self.name and done:
+                    return f", or take it from run '{other.name}': --set run.base={other.name}"
+        return ""
 
     def input_record(self, stage: str) -> dict[str, str]:
         """How a consuming stage records an input: its folder and its manifest's hash."""
@@ -365,12 +367,17 @@ def resume_point(
 
 
 def resumable(run: RunDir, stage: str) -> bool:
-    """`stage` of `run` has checkpoints its command's `--resume` can start from."""
+    """`stage` of `run` has checkpoints its command's `--resume` can start from: folders named
+    as `newest_whole` looks for them (a prefix of `CHECKPOINT_PREFIXES`, then the number)."""
     checkpoints = run.stage_dir(stage) / "checkpoints"
     return (
         stage in RESUMABLE
         and checkpoints.is_dir()
-        and any(p.is_dir() and not p.name.startswith(".") for p in checkpoints.iterdir())
+        and any(
+            p.is_dir() and p.name.startswith(prefix) and p.name[len(prefix) :].isdigit()
+            for p in checkpoints.iterdir()
+            for prefix in CHECKPOINT_PREFIXES
+        )
     )
 
 
@@ -441,7 +448,6 @@ class StageRecord:
                 "manifest": _read_bytes(self.run.manifest_path(self.stage)),
                 "recipe": _read_bytes(self.run.recipe_path()),
                 "latest": _read_bytes(self.run.output_dir / "LATEST"),
-                "stage_dir": self.dir.is_dir(),
             }
             self.run.prepare(self.recipe)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -472,8 +478,8 @@ class StageRecord:
         try:
             if exc_type is None or self._replacing or not self.write:
                 self.save()
-                kept = self.run.completed_stages() or resumable(self.run, self.stage)
-                if exc_type is not None and not kept and self.write:
+                failed = exc_type is not None and self.write
+                if failed and not (self.run.completed_stages() or resumable(self.run, self.stage)):
                     _restore(self.run.output_dir / "LATEST", self._before.get("latest"))
             else:
                 self._undo()

@@ -14,7 +14,7 @@ from rich.console import Console
 from transformers import TrainerCallback
 
 from rlhf_cli.errors import checkpoint_mismatch
-from rlhf_cli.rundir import StageRecord, graceful_stop, resume_point
+from rlhf_cli.rundir import TRAINER_CHECKPOINT, StageRecord, graceful_stop, resume_point
 from rlhf_cli.tracking import MetricsWriter, Trackers, make_progress, truncate_metrics
 
 
@@ -178,7 +178,7 @@ def resume_checkpoint(stage_dir: Path, command: str) -> tuple[Path, list[str]]:
     """The newest whole Trainer checkpoint under `stage_dir/checkpoints` and a note for each
     newer, damaged one skipped; StageError when there is none. The Trainer writes
     `trainer_state.json` last, so a checkpoint without a readable one was cut short."""
-    return resume_point(stage_dir / "checkpoints", "checkpoint-", _checkpoint_problem, command)
+    return resume_point(stage_dir / "checkpoints", TRAINER_CHECKPOINT, _checkpoint_problem, command)
 
 
 def _checkpoint_problem(folder: Path) -> str | None:

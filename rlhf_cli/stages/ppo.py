@@ -43,7 +43,7 @@ from rlhf_cli.ppo.models import PolicyAndValue, ValueModel, hidden_size_of, zero
 from rlhf_cli.ppo.sharding import Engine, build_accelerator, engine_for
 from rlhf_cli.ppo.trainer import PPOContext, summarize, train
 from rlhf_cli.recipe import PpoSection, Recipe
-from rlhf_cli.rundir import RunDir, StageRecord, resume_point
+from rlhf_cli.rundir import PPO_CHECKPOINT, RunDir, StageRecord, resume_point
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import (
@@ -91,7 +91,7 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     seed_everything(recipe.run.seed)  # the same fresh LoRA weights on every process
     # found before the manifest is touched: a refused --resume leaves the last result's intact
     checkpoints = run.stage_dir("ppo") / "checkpoints"
-    checkpoint = resume_point(checkpoints, "iter_", verify, "rlhf ppo") if resume else None
+    checkpoint = resume_point(checkpoints, PPO_CHECKPOINT, verify, "rlhf ppo") if resume else None
     with StageRecord(
         run, "ppo", recipe, inputs=inputs, write=accelerator.is_main_process
     ) as record:
