@@ -44,6 +44,11 @@ def checkpoint_mismatch(folder: object, why: str) -> StageError:
     )
 
 
+def is_shape_error(exc: BaseException) -> bool:
+    """torch's or the optimizer's error for saved weights of other shapes than the model's."""
+    return "size" in str(exc) or "shape" in str(exc)
+
+
 def write_remedy(exc: OSError) -> str:
     """What to do about an OSError from a write, by its cause."""
     if exc.errno == errno.ENOSPC:

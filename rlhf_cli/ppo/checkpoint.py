@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from rlhf_cli.errors import StageError, checkpoint_mismatch
+from rlhf_cli.errors import StageError, checkpoint_mismatch, is_shape_error
 from rlhf_cli.modeling import trainable_state
 from rlhf_cli.ppo.sharding import Engine
 from rlhf_cli.rundir import atomic_write_json, file_sha256
@@ -153,7 +153,7 @@ def load_checkpoint(
     try:
         engine.load_state(actor, optimizer, folder)
     except RuntimeError as exc:  # torch's shape check: the recipe's LoRA rank or modules moved
-        if "size" not in str(exc) and "shape" not in str(exc):
+        if not is_shape_error(exc):
             raise
         raise checkpoint_mismatch(folder, str(exc).splitlines()[0][:200]) from None
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))

@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 from transformers import TrainerCallback
 
-from rlhf_cli.errors import checkpoint_mismatch
+from rlhf_cli.errors import checkpoint_mismatch, is_shape_error
 from rlhf_cli.rundir import TRAINER_CHECKPOINT, StageRecord, graceful_stop, resume_point
 from rlhf_cli.tracking import MetricsWriter, Trackers, make_progress, truncate_metrics
 
@@ -111,10 +111,12 @@ class StageCallback(TrainerCallback):
         if state.global_step >= state.max_steps:
             control.should_save = False  # done: the stage saves the result itself
             return
-        stop = torch.tensor(float(self.flag["stop"]), device=args.device)
+        stop = bool(self.flag["stop"])
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
-        if stop.item():
+            anyone = torch.tensor(float(stop), device=args.device)  # one flag, not a sync alone
+            torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX)
+            stop = bool(anyone.item())
+        if stop:
             self.stopping = control.should_save = control.should_training_stop = True
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -165,8 +167,8 @@ def train_resumable(
         stage.flag = flag
         try:
             result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-        except (RuntimeError, ValueError) as exc:
-            if checkpoint is None or stage.began:
+        except (RuntimeError, ValueError) as exc:  # only what a load of other shapes raises
+            if checkpoint is None or stage.began or not is_shape_error(exc):
                 raise
             raise checkpoint_mismatch(checkpoint, str(exc).splitlines()[0][:200]) from None
     if stage.stopping:
@@ -232,13 +234,19 @@ def begin_writing(
     folder, notes = checkpoint
     if record.previous_recipe_sha256() not in (None, record.manifest["recipe_sha256"]):
         notes = [*notes, RECIPE_CHANGED]
+    resume_notes(record, notes, console)
+    step = checkpoint_step(folder)
+    record.manifest["resumed_from"] = {"checkpoint": folder.name, "step": step}
+    if record.write:
+        truncate_metrics(path, step)
+    return MetricsWriter(path, enabled=record.write, resume=True)
+
+
+def resume_notes(record: StageRecord, notes: list[str], console: Console) -> None:
+    """What a resume skipped or found changed: on the console and in the manifest's warnings."""
     for note in notes:
         console.print(f"[yellow]resume[/]: {note}")
         record.warn(note)
-    record.manifest["resumed_from"] = {"checkpoint": folder.name, "step": checkpoint_step(folder)}
-    if record.write:
-        truncate_metrics(path, checkpoint_step(folder))
-    return MetricsWriter(path, enabled=record.write, resume=True)
 
 
 def drop_checkpoints(record: StageRecord) -> None:

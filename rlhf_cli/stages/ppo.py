@@ -10,7 +10,6 @@ compares log-probs of the same tokens at two times, and dropout noise would bias
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -45,7 +44,7 @@ from rlhf_cli.ppo.trainer import PPOContext, summarize, train
 from rlhf_cli.recipe import PpoSection, Recipe
 from rlhf_cli.rundir import PPO_CHECKPOINT, RunDir, StageRecord, resume_point
 from rlhf_cli.scoring import RewardScorer
-from rlhf_cli.stages.common import seed_everything
+from rlhf_cli.stages.common import drop_checkpoints, resume_notes, seed_everything
 from rlhf_cli.stages.trained import (
     check_engine,
     frozen_scorer,
@@ -141,8 +140,8 @@ def setup(
     parts = (engine, prepared_actor, optimizer, scheduler, kl_ctl, sampler)
     state = _resume(record, checkpoint, parts, console) if checkpoint else {"iteration": 0}
     record.replacing()  # from here the earlier result's checkpoints and logs are written over
-    if checkpoint is None and accelerator.is_main_process:  # never resume an earlier run later
-        shutil.rmtree(stage_dir / "checkpoints", ignore_errors=True)
+    if checkpoint is None:  # never resume an earlier run later
+        drop_checkpoints(record)
     start = int(state["iteration"])
 
     # 4. Logs (appended to on resume), the trackers, and the context the loop reads.
@@ -353,9 +352,7 @@ def _resume(
     prepared actor, optimizer, scheduler, KL controller, prompt sampler); return its
     `state.json` (iteration, health rules fired, score moments)."""
     folder, notes = checkpoint
-    for note in notes:
-        console.print(f"[yellow]resume[/]: {note}")
-        record.warn(note)
+    resume_notes(record, notes, console)
     stage_dir = folder.parent.parent
     engine, actor, optimizer, scheduler, kl_ctl, sampler = parts
     state = load_checkpoint(
