@@ -27,7 +27,13 @@ from rich.table import Table
 from rlhf_cli.errors import RecipeError, RlhfError
 from rlhf_cli.recipe import Recipe, default_recipe_path, load_recipe
 from rlhf_cli.rundir import RunDir, recipe_near
-from rlhf_cli.tracking import make_console, quiet_libraries, require_trackers
+from rlhf_cli.tracking import (
+    fmt_number,
+    make_console,
+    metrics_line,
+    quiet_libraries,
+    require_trackers,
+)
 
 FLAG = ""  # a flag's help shows no value type (typer would print <bool>)
 
@@ -170,7 +176,7 @@ def _emit(manifest: dict[str, Any], as_json: bool, quiet: bool, title: str) -> N
     table.add_row("status", manifest["status"])
     table.add_row("run dir", str(Path(manifest.get("dir", ""))))
     for key, value in manifest.get("metrics", {}).items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+        table.add_row(key, fmt_number(value))
     for warning in manifest.get("warnings", []):
         table.add_row("[yellow]warning[/]", warning)
     console.print(table)
@@ -400,8 +406,7 @@ def status(
             shown += f"; last attempt {row['last_attempt']}"
         if "from_run" in row:
             shown += f" (run {row['from_run']}'s)"
-        numbers = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                            for k, v in row.get("metrics", {}).items())  # fmt: skip
+        numbers = metrics_line(row.get("metrics", {}))
         table.add_row(row["stage"], shown, row.get("finished_at") or "", numbers)
     out.print(table)
     out.print(f"next: {result['next']}" if result["next"] else "next: nothing to run now")

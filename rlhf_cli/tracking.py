@@ -8,7 +8,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +56,16 @@ def make_progress(console: Console) -> Progress:
     )
 
 
+def fmt_number(value: Any) -> str:
+    """Floats to 4 significant digits (a 5.25e-06 difference is not 0.0000), the rest as text."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def metrics_line(metrics: dict[str, Any], keep: Callable[[str], bool] = lambda k: True) -> str:
+    """`key value, key value` of a manifest's metrics, for tables and model cards."""
+    return ", ".join(f"{k} {fmt_number(v)}" for k, v in metrics.items() if keep(k))
+
+
 def _clean(value: Any) -> Any:
     """JSON has no NaN/inf: write them as null rather than an invalid file."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -87,15 +97,6 @@ class MetricsWriter:
     def close(self) -> None:
         if self.enabled:
             self._handle.close()
-
-
-# run.trackers entry -> the module it needs (each is an extra of the same name)
-TRACKER_MODULES = {
-    "tensorboard": "tensorboard",
-    "wandb": "wandb",
-    "trackio": "trackio",
-    "mlflow": "mlflow",
-}
 
 
 @dataclass(frozen=True)
@@ -213,9 +214,9 @@ def _end_mlflow_run() -> None:
 def require_trackers(trackers: list[str]) -> None:
     """Each listed tracker's package is importable, else one line naming the extra."""
     for tracker in trackers:
-        if importlib.util.find_spec(TRACKER_MODULES[tracker]) is None:
+        if importlib.util.find_spec(tracker) is None:  # each is the module and the extra
             raise RlhfError(
-                f"run.trackers lists {tracker} but the {TRACKER_MODULES[tracker]} package is not "
+                f"run.trackers lists {tracker} but the {tracker} package is not "
                 f"installed: pip install 'rlhf-cli[{tracker}]'"
             )
 

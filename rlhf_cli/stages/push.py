@@ -16,7 +16,7 @@ from rich.console import Console
 from rlhf_cli.errors import PushError, StageError
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes
-from rlhf_cli.tracking import read_metrics
+from rlhf_cli.tracking import metrics_line, read_metrics
 
 
 def hub_token() -> str | None:
@@ -29,12 +29,8 @@ def redact(text: str, token: str | None) -> str:
     return text.replace(token, "***") if token else text
 
 
-def _fmt(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
 def _metrics(manifest: dict[str, Any], keep: Callable[[str], bool] = lambda k: True) -> str:
-    return ", ".join(f"{k} {_fmt(v)}" for k, v in manifest.get("metrics", {}).items() if keep(k))
+    return metrics_line(manifest.get("metrics", {}), keep)
 
 
 def _how_it_was_made(recipe: Recipe, run: RunDir) -> list[str]:

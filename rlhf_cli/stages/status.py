@@ -83,12 +83,16 @@ def all_runs(output_dir: Path) -> list[dict[str, Any]]:
         run = RunDir(output_dir, recipe.parent.name)
         manifests = [run.manifest_path(s) for s in PIPELINE if run.manifest_path(s).is_file()]
         newest = max((m.stat().st_mtime for m in manifests), default=recipe.stat().st_mtime)
+        status = run_status(run)  # each manifest read once
+        rows = status["stages"]
         runs.append(
             {
                 "run": run.name,
                 "latest": latest is not None and latest.name == run.name,
-                "completed": run.completed_stages(),
-                "next": run_status(run)["next"],
+                "completed": [
+                    r["stage"] for r in rows if r["status"] == "completed" and "from_run" not in r
+                ],
+                "next": status["next"],
                 "modified": newest,
             }
         )
