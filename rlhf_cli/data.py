@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,18 +76,27 @@ def read_text(path: Path) -> str:
         raise DataError(f"{path}:{line}: not UTF-8 text (byte {exc.start})") from None
 
 
+def json_lines(
+    path: Path, not_json: Callable[[json.JSONDecodeError], str]
+) -> Iterator[tuple[int, Any]]:
+    """Each non-blank line of a UTF-8 file, parsed, with its 1-based number; a line that is
+    not JSON is a DataError `path:line: not_json(error)`."""
+    for number, line in enumerate(read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{number}: {not_json(exc)}") from None
+        yield number, value
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """A local JSON Lines file as rows (every row has every column seen; missing ones None,
     as `datasets` reads it). Blank lines are skipped; a line that is not a JSON object is a
     DataError naming the file and its 1-based line."""
     rows = []
-    for number, line in enumerate(read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    for number, row in json_lines(path, lambda exc: f"not valid JSON ({exc.msg})"):
         if not isinstance(row, dict):
             raise DataError(f"{path}:{number}: a row must be a JSON object")
         rows.append(row)
@@ -276,13 +286,7 @@ def read_responses(path: Path) -> tuple[list[str], list[str]]:
     if not path.is_file():
         raise DataError(f"--responses: file not found: {path}")
     prompts, responses = [], []
-    for number, line in enumerate(read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise DataError(f"{path}:{number}: not a JSON object") from None
+    for number, row in json_lines(path, lambda exc: "not a JSON object"):
         if not isinstance(row, dict) or not all(
             isinstance(row.get(k), str) for k in ("prompt", "response")
         ):
