@@ -50,6 +50,12 @@ def _f(default: Any, description: str, **kw: Any) -> Any:
     return Field(default, description=description, **kw)
 
 
+def _near_recipe(value: str, info: ValidationInfo) -> Path:
+    """`value` as a path, relative ones taken from the recipe's folder."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else Path((info.context or {}).get("base_dir", ".")) / path
+
+
 def _resolve_local(value: str, info: ValidationInfo, what: str) -> str:
     """Make a local path absolute against the recipe's folder and check that it exists.
 
@@ -57,10 +63,7 @@ def _resolve_local(value: str, info: ValidationInfo, what: str) -> str:
     """
     if value.startswith(BUILTIN_PREFIX):
         return value
-    base = Path((info.context or {}).get("base_dir", "."))
-    candidate = Path(value).expanduser()
-    if not candidate.is_absolute():
-        candidate = base / candidate
+    candidate = _near_recipe(value, info)
     looks_local = (
         value.startswith((".", "/", "~"))
         or value.endswith(LOCAL_DATA_SUFFIXES)
@@ -193,9 +196,7 @@ class ModelSection(Section):
 
         if value is None or value in BUILTIN:
             return value
-        path = Path(value).expanduser()
-        if not path.is_absolute():
-            path = Path((info.context or {}).get("base_dir", ".")) / path
+        path = _near_recipe(value, info)
         if not path.is_file():
             raise ValueError(f"not one of {', '.join(BUILTIN)} and no file {path}")
         return str(path.resolve())
@@ -311,9 +312,7 @@ class RewardFunctionSpec(Section):
         if not sep or not module or not name:
             raise ValueError(f"write it as module:callable, not {value!r}")
         if module.endswith(".py"):
-            file = Path(module).expanduser()
-            if not file.is_absolute():
-                file = Path((info.context or {}).get("base_dir", ".")) / file
+            file = _near_recipe(module, info)
             if not file.is_file():
                 raise ValueError(f"reward function file not found: {file}")
             value = f"{file.resolve()}:{name}"
