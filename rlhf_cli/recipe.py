@@ -281,7 +281,9 @@ class SftSection(Section):
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimiser step.", gt=0)
     max_length: int = _f(1024, "Truncate tokenised examples to this length.", gt=0)
     warmup_ratio: float = _f(0.03, "Share of steps with linear warm-up.", ge=0.0, lt=1.0)
-    logging_steps: int = _f(10, "Log training loss every N optimiser steps.", gt=0)
+    logging_steps: int = _f(
+        10, "Log training loss every N optimiser steps, and at every checkpoint.", gt=0
+    )
     save_steps: int = _f(
         500,
         "Write a resumable checkpoint (`sft/checkpoints/checkpoint-N`: weights, optimizer, "
@@ -341,7 +343,7 @@ class RewardSection(Section):
     epochs: float = _f(1.0, "Passes over the preference pairs.", gt=0.0)
     batch_size: int = _f(8, "Pairs per device batch.", gt=0)
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimiser step.", gt=0)
-    logging_steps: int = _f(10, "Log every N optimiser steps.", gt=0)
+    logging_steps: int = _f(10, "Log every N optimiser steps, and at every checkpoint.", gt=0)
     save_steps: int = _f(
         500,
         "Write a resumable checkpoint (`rm/checkpoints/checkpoint-N`: weights, optimizer, "

@@ -4,11 +4,13 @@ checked (one finite number per response; never a silent default)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import math
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -24,12 +26,8 @@ def load_reward_function(spec: str) -> RewardFn:
     module_name, _, attr = spec.rpartition(":")
     try:
         if module_name.endswith(".py"):
-            path = Path(module_name)
-            loader_spec = importlib.util.spec_from_file_location(f"_reward_{path.stem}", path)
-            if loader_spec is None or loader_spec.loader is None:
-                raise ImportError(f"cannot load {path}")
-            module = importlib.util.module_from_spec(loader_spec)
-            loader_spec.loader.exec_module(module)
+            path = Path(module_name).resolve()
+            module = _file_module(path, path.stat().st_mtime_ns)
         else:
             module = importlib.import_module(module_name)
     except Exception as exc:  # the user's module: any error means "cannot use it"
@@ -39,6 +37,18 @@ def load_reward_function(spec: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"{module_name} has no callable {attr!r}")
     return fn
+
+
+@functools.cache
+def _file_module(path: Path, mtime_ns: int) -> ModuleType:
+    """A reward `.py` file, executed once per process while it is unchanged (validation and
+    the scorer share it)."""
+    loader_spec = importlib.util.spec_from_file_location(f"_reward_{path.stem}", path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(loader_spec)
+    loader_spec.loader.exec_module(module)
+    return module
 
 
 def call_reward_function(

@@ -17,14 +17,14 @@ import hashlib
 import json
 import os
 import platform
+import secrets
 import signal
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -61,11 +61,12 @@ def now_iso() -> str:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` so that readers see the old file or the new one, never a mix;
-    with the permissions the umask gives a new file (mkstemp's own are 0600)."""
+    with the permissions the umask gives a new file (the kernel applies it at `os.open`, so
+    no thread ever sees the umask changed, as reading it through `os.umask` would)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -75,12 +76,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -239,23 +234,24 @@ class RunDir:
                 f"{needed_by} needs the {stage} stage of run '{self.name}', which is "
                 f"missing ({self.stage_dir(stage)}): run `{command}` first{self._base_hint(stage)}"
             )
-        status = manifest.get("status")
-        if status == "completed":
+        state = stage_state(self, stage, manifest)
+        if state.status == "completed":
             return manifest
-        holder = lock_holder(self.path / ".lock") if status == "running" else None
-        if holder is not None:
+        if state.holder is not None:
             raise StageError(
                 f"{needed_by} needs the {stage} stage of run '{self.name}', which is still "
-                f"running (pid {holder['pid']}, since {holder.get('since', '?')}): wait for it "
-                "to finish"
+                f"running (pid {state.holder['pid']}, since {state.holder.get('since', '?')}): "
+                "wait for it to finish"
             )
-        if resumable(self, stage):  # stopped, killed, or failed after a checkpoint
-            hint = f"resume it with `{command} --resume`"
-            if status == "failed":
+        if state.next != command:
+            hint = f"resume it with `{state.next}`"
+            if state.status == "failed":
                 hint += f" (or start over with `{command}`)"
         else:
             hint = f"run `{command}` again first"
-        shown = "stopped (its process is gone)" if status == "running" else f"'{status}'"
+        shown = (
+            "stopped (its process is gone)" if state.status == "stopped" else f"'{state.status}'"
+        )
         raise StageError(
             f"{needed_by} needs the {stage} stage of run '{self.name}', whose status is "
             f"{shown}: {hint}"
@@ -381,6 +377,31 @@ def resumable(run: RunDir, stage: str) -> bool:
     )
 
 
+class StageState(NamedTuple):
+    """What a stage's manifest means now: its status ('stopped' for a 'running' one whose
+    process is gone), the lock's holder while it runs, and the command to type next (None when
+    it completed or still runs)."""
+
+    status: str
+    holder: dict[str, Any] | None
+    next: str | None
+
+
+def stage_state(run: RunDir, stage: str, manifest: dict[str, Any]) -> StageState:
+    status = manifest.get("status", "?")
+    if status == "completed":
+        return StageState(status, None, None)
+    if status == "running":
+        holder = lock_holder(run.path / ".lock")
+        if holder is not None:
+            return StageState(status, holder, None)
+        status = "stopped"
+    command = STAGE_COMMANDS[stage]
+    if resumable(run, stage):  # stopped, killed, or failed after a checkpoint
+        return StageState(status, None, f"{command} --resume")
+    return StageState(status, None, command)
+
+
 class StageRecord:
     """Context manager that keeps a stage's manifest true while it runs.
 
@@ -427,12 +448,14 @@ class StageRecord:
         if message not in self.manifest["warnings"]:
             self.manifest["warnings"].append(message)
 
-    def previous_recipe_sha256(self) -> str | None:
-        """The recipe hash of the stage's manifest before this attempt (None: none, unreadable)."""
+    def previous_manifest(self) -> dict[str, Any]:
+        """The stage's manifest as it was when this attempt took the lock ({}: none, or
+        unreadable)."""
         try:
-            return json.loads(self._before.get("manifest") or b"null")["recipe_sha256"]
-        except (ValueError, TypeError, KeyError):
-            return None
+            earlier = json.loads(self._before.get("manifest") or b"{}")
+        except ValueError:
+            return {}
+        return earlier if isinstance(earlier, dict) else {}
 
     def replacing(self) -> None:
         """From here on the stage writes over its earlier outputs: a failure is recorded as

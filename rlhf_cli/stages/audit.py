@@ -65,8 +65,8 @@ def run_audit(
                 seed=recipe.run.seed,
             )
     report["audited"] = str(responses_file or checkpoint or run.stage_dir("ppo"))
-    earlier = run.read_manifest("audit") or {}
     with StageRecord(run, "audit", recipe, inputs={}) as record:
+        earlier = record.previous_manifest()  # read under the lock: no audit's entry is lost
         record.replacing()
         path = record.dir / f"{label}.json"
         atomic_write_json(path, report)

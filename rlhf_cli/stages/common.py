@@ -15,7 +15,13 @@ from transformers import TrainerCallback
 
 from rlhf_cli.errors import checkpoint_mismatch, is_shape_error
 from rlhf_cli.rundir import TRAINER_CHECKPOINT, StageRecord, graceful_stop, resume_point
-from rlhf_cli.tracking import MetricsWriter, Trackers, make_progress, truncate_metrics
+from rlhf_cli.tracking import (
+    MetricsWriter,
+    Trackers,
+    make_progress,
+    read_metrics,
+    truncate_metrics,
+)
 
 
 def seed_everything(seed: int) -> None:
@@ -118,6 +124,9 @@ class StageCallback(TrainerCallback):
             stop = bool(anyone.item())
         if stop:
             self.stopping = control.should_save = control.should_training_stop = True
+        # a checkpoint's step ends a logged loss window: `train_loss` after a resume adds the
+        # windows up to it (`run_train_loss`), whichever checkpoint the resume starts from
+        control.should_log = control.should_log or control.should_save
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.stopping:
@@ -232,7 +241,8 @@ def begin_writing(
         drop_checkpoints(record)
         return MetricsWriter(path, enabled=record.write)
     folder, notes = checkpoint
-    if record.previous_recipe_sha256() not in (None, record.manifest["recipe_sha256"]):
+    earlier = record.previous_manifest().get("recipe_sha256")
+    if earlier not in (None, record.manifest["recipe_sha256"]):
         notes = [*notes, RECIPE_CHANGED]
     resume_notes(record, notes, console)
     step = checkpoint_step(folder)
@@ -240,6 +250,24 @@ def begin_writing(
     if record.write:
         truncate_metrics(path, step)
     return MetricsWriter(path, enabled=record.write, resume=True)
+
+
+def run_train_loss(record: StageRecord, result: Any) -> float:
+    """The mean training loss over every step of the run. The Trainer's `training_loss` covers
+    only the steps this attempt trained; after a `--resume` the logged losses up to the
+    checkpoint add the steps before it (each row is the mean over the steps since the row
+    before, and every checkpoint's step ends a row). Steps that no row covers (a checkpoint
+    written before checkpoints were logged) are left out of the mean, not counted as zero."""
+    resumed = record.manifest.get("resumed_from")
+    if resumed is None:
+        return result.training_loss
+    start, total, covered = resumed["step"], 0.0, 0
+    for row in read_metrics(record.dir / "metrics.jsonl"):
+        if "loss" in row and covered < row["step"] <= start:
+            total += row["loss"] * (row["step"] - covered)
+            covered = row["step"]
+    trained = result.global_step - start
+    return (total + result.training_loss * trained) / max(covered + trained, 1)
 
 
 def resume_notes(record: StageRecord, notes: list[str], console: Console) -> None:

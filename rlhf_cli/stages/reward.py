@@ -33,6 +33,7 @@ from rlhf_cli.stages.common import (
     drop_checkpoints,
     drop_printer,
     resume_checkpoint,
+    run_train_loss,
     seed_everything,
     train_resumable,
     trainer_kwargs,
@@ -84,12 +85,11 @@ def run_train_rm(recipe: Recipe, console: Console, resume: bool = False) -> dict
         data = setup(recipe, run, device, record)
         start = pairwise_eval(data.scorer, data.eval_pairs)  # the fresh weights, also on resume
 
-        # 2. Train (full fine-tuning, or LoRA merged back afterwards).
-        result, model = train(recipe, data, device, (record, console), trackers, checkpoint)
+        # 2. Train (full fine-tuning, or LoRA merged back afterwards), then evaluate on the
+        # held-out pairs with the scorer PPO will use.
+        result, final = train(recipe, data, device, (record, console), trackers, checkpoint)
 
-        # 3. Evaluate on held-out pairs with the scorer PPO will use; save a plain model.
-        data.scorer.model = freeze(model)
-        final = pairwise_eval(data.scorer, data.eval_pairs)
+        # 3. Save a plain model.
         if is_main:
             save(recipe, record, data, (start, final), result)
     return record.manifest
@@ -151,8 +151,10 @@ def train(
     trackers: Trackers,
     checkpoint: tuple[Path, list[str]] | None,
 ) -> tuple[Any, Any]:
-    """TRL's RewardTrainer over the pre-tokenised pairs, from `checkpoint` when resuming;
-    (its TrainOutput, the plain model)."""
+    """TRL's RewardTrainer over the pre-tokenised pairs, from `checkpoint` when resuming, then
+    the held-out pairs scored by the trained model (left in `data.scorer`, a plain frozen model)
+    and logged as the Trainer logs, to metrics.jsonl and the trackers; (its TrainOutput, the
+    held-out results)."""
     from trl import RewardConfig, RewardTrainer
 
     cfg, (record, console) = recipe.reward, out
@@ -180,11 +182,14 @@ def train(
     try:
         folder = checkpoint[0] if checkpoint else None
         result = train_resumable(trainer, stage, folder, console, "rlhf train-rm")
+        model = trainer.model.merge_and_unload() if cfg.lora.enabled else trainer.model
+        data.scorer.model = freeze(model)
+        final = pairwise_eval(data.scorer, data.eval_pairs)
+        trainer.log({"eval_accuracy": final["accuracy"], "eval_margin": final["margin"]})
     finally:
         stage.progress.stop()
         stage.writer.close()
-    model = trainer.model.merge_and_unload() if cfg.lora.enabled else trainer.model
-    return result, model
+    return result, final
 
 
 def save(
@@ -217,7 +222,7 @@ def save(
         "eval_accuracy": final["accuracy"],
         "eval_margin": final["margin"],
         "eval_accuracy_start": start["accuracy"],
-        "train_loss": result.training_loss,
+        "train_loss": run_train_loss(record, result),
         "steps": result.global_step,
         "train_pairs": len(train_pairs),
         "eval_pairs": len(eval_pairs),

@@ -23,6 +23,7 @@ from rlhf_cli.stages.common import (
     drop_checkpoints,
     drop_printer,
     resume_checkpoint,
+    run_train_loss,
     seed_everything,
     train_resumable,
     trainer_kwargs,
@@ -133,7 +134,7 @@ def save(
     record.manifest["metrics"] = {
         "eval_loss_start": losses[0],
         "eval_loss": losses[1],
-        "train_loss": result.training_loss,
+        "train_loss": run_train_loss(record, result),
         "steps": result.global_step,
         "train_rows": n_rows[0],
         "eval_rows": n_rows[1],

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.errors import StageError
-from rlhf_cli.rundir import STAGE_COMMANDS, RunDir, lock_holder, resumable
+from rlhf_cli.rundir import STAGE_COMMANDS, RunDir, stage_state
 
 # the few numbers that say how each stage went (manifest `metrics` keys)
 KEY_METRICS = {
@@ -29,10 +29,10 @@ def stage_row(run: RunDir, stage: str) -> dict[str, Any]:
         return {"stage": stage, "status": "damaged", "next": STAGE_COMMANDS[stage]}
     if manifest is None:
         return {"stage": stage, "status": "missing"}
-    status = manifest.get("status", "?")
+    state = stage_state(run, stage, manifest)
     row = {
         "stage": stage,
-        "status": status,
+        "status": state.status,
         "finished_at": manifest.get("finished_at"),
         "metrics": {
             k: manifest.get("metrics", {})[k]
@@ -42,16 +42,10 @@ def stage_row(run: RunDir, stage: str) -> dict[str, Any]:
     }
     if "last_attempt" in manifest:
         row["last_attempt"] = manifest["last_attempt"].get("status")
-    if status == "running":
-        holder = lock_holder(run.path / ".lock")
-        if holder is not None:
-            row["pid"] = holder["pid"]
-            return row
-        row["status"] = "stopped"  # its process is gone without a word
-    if row["status"] in ("stopped", "interrupted", "failed") and resumable(run, stage):
-        row["next"] = f"{STAGE_COMMANDS[stage]} --resume"
-    elif row["status"] != "completed":
-        row["next"] = STAGE_COMMANDS[stage]
+    if state.holder is not None:
+        row["pid"] = state.holder["pid"]
+    if state.next is not None:
+        row["next"] = state.next
     return row
 
 

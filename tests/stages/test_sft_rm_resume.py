@@ -32,10 +32,10 @@ SMALL = {
     "reward": {"epochs": 1, "logging_steps": 1, "save_steps": 2},
 }
 # stage folder -> (run function, signal, the step it comes at, the checkpoints then on disk).
-# The signal comes at a logging step: the Trainer logs the mean loss since its last log, which
-# a resumed Trainer counts from the checkpoint.
+# The SFT's signal comes between two logging steps (2 and 4 of every 2, 3 of every checkpoint),
+# the RM's at one.
 STAGES = {
-    "sft": ("run_sft", signal.SIGINT, 4, ["checkpoint-3", "checkpoint-4"]),
+    "sft": ("run_sft", signal.SIGINT, 5, ["checkpoint-3", "checkpoint-5"]),
     "rm": ("run_train_rm", signal.SIGTERM, 3, ["checkpoint-2", "checkpoint-3"]),
 }
 
@@ -72,6 +72,36 @@ def _rows(path: Path) -> list[dict[str, float]]:
     ]
 
 
+Rows = list[dict[str, float]]
+
+
+# numbers of one step, not means over the steps since the row before
+INSTANT = ("step", "grad_norm", "learning_rate", "epoch")
+
+
+def _glue_the_stop_row(got: Rows, want: Rows, step: int) -> None:
+    """A stop between logging steps logs the window it ends (the mean loss, and TRL's entropy
+    and token accuracy), and the resumed Trainer's next row starts from there: the two rows,
+    weighted by their steps, are the uninterrupted run's one row. Checked, then the pair is
+    made comparable (the stop's row dropped, the row after it given the uninterrupted means)."""
+    logged = [r["step"] for r in want if "loss" in r]
+    extra = [r for r in got if "loss" in r and r["step"] not in logged]
+    if step in logged:
+        assert extra == []
+        return
+    assert [r["step"] for r in extra] == [step]
+    got.remove(extra[0])
+    before, after = max(s for s in logged if s < step), min(s for s in logged if s > step)
+    resumed = next(r for r in got if "loss" in r and r["step"] == after)
+    whole = next(r for r in want if "loss" in r and r["step"] == after)
+    means = [k for k in extra[0] if k not in INSTANT]
+    assert "loss" in means
+    for key in means:
+        glued = extra[0][key] * (step - before) + resumed[key] * (after - step)
+        assert glued == pytest.approx(whole[key] * (after - before), rel=1e-5), key
+        resumed[key] = whole[key]
+
+
 @pytest.mark.parametrize("stage", ["sft", "rm"])
 def test_interrupt_checkpoints_and_resume_reproduces(
     small_recipe, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
@@ -98,13 +128,14 @@ def test_interrupt_checkpoints_and_resume_reproduces(
     assert resumed["status"] == "completed"
     assert resumed["metrics"]["steps"] == expected["metrics"]["steps"]
     got_rows, want_rows = _rows(stage_dir / "metrics.jsonl"), _rows(whole_dir / "metrics.jsonl")
+    _glue_the_stop_row(got_rows, want_rows, step)
     assert [sorted(r) for r in got_rows] == [sorted(r) for r in want_rows]
     for got, want in zip(got_rows, want_rows, strict=True):
-        if "train_loss" in want:  # the Trainer's mean over the steps this attempt trained
+        if "train_loss" in want:  # the Trainer's own mean over the steps this attempt trained
             got, want = _without(got, "train_loss"), _without(want, "train_loss")
         assert got == pytest.approx(want, rel=1e-5), (got, want)
     assert resumed["resumed_from"] == {"checkpoint": f"checkpoint-{step}", "step": step}
-    for key in ("eval_loss", "eval_loss_start", "eval_accuracy", "eval_margin"):
+    for key in ("eval_loss", "eval_loss_start", "eval_accuracy", "eval_margin", "train_loss"):
         if key in expected["metrics"]:
             assert resumed["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-5)
     weights = "model/model.safetensors"  # the tiny SFT is a full fine-tune, the RM a full model

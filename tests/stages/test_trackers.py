@@ -4,6 +4,7 @@ test)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,13 @@ def test_trl_stages_write_tensorboard_events_and_trackio_logs(pipeline: Path, st
 
     scalars = tensorboard_scalars(run / stage / "tensorboard")
     assert scalars["train/loss"] == pytest.approx(losses, rel=1e-6)
-    if stage == "sft":  # held-out loss from Trainer.evaluate (train-rm scores pairs itself)
-        assert "eval/loss" in scalars
+    # the held-out result of the manifest, at the last step: the SFT's from Trainer.evaluate,
+    # the RM's pairwise accuracy (scored by the stage) logged through the Trainer
+    metrics = json.loads((run / stage / "manifest.json").read_text())["metrics"]
+    key = {"sft": "eval_loss", "rm": "eval_accuracy"}[stage]
+    final, tag = metrics["steps"], key.replace("eval_", "eval/")
+    assert scalars[tag][final] == pytest.approx(metrics[key], rel=1e-6)
+    assert {r["step"]: r[key] for r in logged if key in r}[final] == pytest.approx(metrics[key])
 
     import trackio
 
@@ -33,3 +39,5 @@ def test_trl_stages_write_tensorboard_events_and_trackio_logs(pipeline: Path, st
     assert {
         row["train/global_step"]: row["train/loss"] for row in tracked if "train/loss" in row
     } == (pytest.approx(losses, rel=1e-6))
+    trackio_held_out = {row["train/global_step"]: row[tag] for row in tracked if tag in row}
+    assert trackio_held_out[final] == pytest.approx(metrics[key], rel=1e-6)

@@ -310,15 +310,18 @@ def test_unserialisable_manifest_keeps_the_old_one(run: RunDir, recipe: Recipe) 
     assert sorted(os.listdir(run.stage_dir("sft"))) == ["manifest.json"]
 
 
-def test_run_files_follow_the_umask(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_run_files_follow_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
     from rlhf_cli.rundir import atomic_write_json
 
-    old = os.umask(0o022)
+    old = os.umask(umask)
     try:
         atomic_write_json(tmp_path / "m.json", {"a": 1})
+        assert os.umask(umask) == umask  # the write left the process umask alone
     finally:
         os.umask(old)
-    assert (tmp_path / "m.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "m.json").stat().st_mode & 0o777 == mode
+    assert os.listdir(tmp_path) == ["m.json"]
 
 
 def test_a_run_takes_sft_and_rm_from_its_base_only_where_it_has_none(recipe: Recipe) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -345,6 +346,21 @@ def test_reward_functions_are_summed_with_their_weights(tmp_path: Path) -> None:
     scorer = RewardScorer(None, None, "{prompt} {response}", 64, functions=functions)
     scores, truncated = scorer.score(["p", "q"], ["abcd", "ab"])
     assert scores.tolist() == [0.5 * 4 - 2.0, 0.5 * 2 - 2.0] and truncated == 0
+
+
+def test_a_reward_file_runs_once_per_process_until_it_changes(tmp_path: Path) -> None:
+    """Validation and the scorer both load the file: its top level (which may load a model,
+    or count calls as here) runs once; an edited file is read again."""
+    from rlhf_cli.rewards import load_reward_function
+
+    log = tmp_path / "imports.log"
+    body = f"open({str(log)!r}, 'a').write('x')\ndef f(p, r):\n    return [VALUE] * len(r)\n"
+    path = _reward_file(tmp_path, body.replace("VALUE", "1.0"))
+    first, second = load_reward_function(f"{path}:f"), load_reward_function(f"{path}:f")
+    assert first is second and log.read_text() == "x"
+    path.write_text(body.replace("VALUE", "2.0"))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert load_reward_function(f"{path}:f")(["p"], ["r"]) == [2.0] and log.read_text() == "xx"
 
 
 @pytest.mark.parametrize(

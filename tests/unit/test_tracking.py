@@ -257,7 +257,9 @@ def _step(callback, step: int, max_steps: int = 10, save: bool = False):
 
     args = SimpleNamespace(device=torch.device("cpu"))
     state = SimpleNamespace(global_step=step, max_steps=max_steps, is_world_process_zero=True)
-    control = SimpleNamespace(should_save=save, should_training_stop=False, should_evaluate=True)
+    control = SimpleNamespace(
+        should_save=save, should_training_stop=False, should_evaluate=True, should_log=False
+    )
     callback.on_step_end(args, state, control)
     return args, state, control
 
@@ -274,9 +276,12 @@ def test_the_stage_callback_stops_after_the_step_of_a_signal(tmp_path):
     callback.writer = MetricsWriter(tmp_path / "metrics.jsonl")
     _, _, control = _step(callback, 3)
     assert not (control.should_save or control.should_training_stop or callback.stopping)
+    assert not control.should_log
+    assert _step(callback, 2, save=True)[2].should_log  # a periodic checkpoint's step is logged
     callback.flag["stop"] = True
     args, state, control = _step(callback, 4)
     assert callback.stopping and control.should_save and control.should_training_stop
+    assert control.should_log  # the stop's checkpoint ends a loss window too
     callback.on_log(args, state, control, logs={"loss": 1.5})  # the stop step's own log: kept
     callback.on_save(args, state, control)
     assert callback.flag["saved"] == "checkpoint-4 (step 4)" and callback.closed
@@ -290,3 +295,33 @@ def test_the_stage_callback_stops_after_the_step_of_a_signal(tmp_path):
     last.flag["stop"] = True
     _, _, control = _step(last, 10, save=True)  # its end-of-training save, set before ours
     assert not (control.should_save or control.should_training_stop or last.stopping)
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        # windows (0,2] (2,3] (3,5] tile the steps before the checkpoint at 5; 3 more steps
+        # trained after it at mean 0.1: (1.0*2 + 0.5*1 + 0.2*2 + 0.1*3) / 8
+        ([(2, 1.0), (3, 0.5), (5, 0.2), (6, 9.0)], 3.2 / 8),
+        # a checkpoint at 5 that ended no row: (3,5] is left out, not counted as zero
+        ([(2, 1.0), (3, 0.5), (6, 9.0)], (2.0 + 0.5 + 0.3) / 6),
+    ],
+)
+def test_the_run_train_loss_adds_the_logged_windows_before_a_resume(
+    tmp_path, rows, expected
+) -> None:
+    """Hand-computed: the Trainer's `training_loss` after a resume covers its own steps only."""
+    from types import SimpleNamespace
+
+    from rlhf_cli.stages.common import run_train_loss
+
+    writer = MetricsWriter(tmp_path / "metrics.jsonl")
+    for step, loss in rows:
+        writer.log({"loss": loss}, step=step)
+        writer.log({"eval_loss": 7.0}, step=step)  # rows without a training loss: not counted
+    writer.close()
+    result = SimpleNamespace(training_loss=0.1, global_step=8)
+    record = SimpleNamespace(dir=tmp_path, manifest={"resumed_from": {"step": 5}})
+    assert run_train_loss(record, result) == pytest.approx(expected, rel=1e-12)
+    record.manifest = {}  # a run trained in one go: the Trainer's own mean
+    assert run_train_loss(record, result) == 0.1
