@@ -216,8 +216,10 @@ def tensor_parallel_group(world: int, size: int) -> Any:
 def engine_settings(
     gen: GenerationSection, on_gpu: bool, max_len: int, seed: int, world: int = 1
 ) -> dict:
-    """`vllm.LLM`'s settings: float32 and eager on the CPU; on CUDA bf16, CUDA graphs, the
-    recipe's share of GPU memory, and sleep mode when the recipe asks for it. Under a launcher
+    """`vllm.LLM`'s settings: float32 and eager on the CPU (no CUDA graphs and, with
+    compilation mode 0, no torch.compile: vLLM's CPU default compiles the model with inductor,
+    minutes of C++ builds for each new engine); on CUDA bf16, CUDA graphs, vLLM's compilation,
+    the recipe's share of GPU memory, and sleep mode when the recipe asks for it. Under a launcher
     (`world` processes) the engines join the launcher's processes (`external_launcher`), each
     group of `vllm_tensor_parallel_size` sharing one."""
     settings: dict[str, Any] = dict(
@@ -228,6 +230,8 @@ def engine_settings(
         seed=seed,
         tensor_parallel_size=gen.vllm_tensor_parallel_size,
     )
+    if not on_gpu:
+        settings["compilation_config"] = 0  # vllm.config.CompilationMode.NONE
     if world > 1:
         settings["distributed_executor_backend"] = "external_launcher"
     if on_gpu:

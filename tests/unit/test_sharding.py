@@ -172,6 +172,7 @@ def test_the_vllm_engine_settings_follow_the_recipe_on_cuda_only():
     assert cpu == {
         "dtype": "float32",
         "enforce_eager": True,
+        "compilation_config": 0,  # no torch.compile: vLLM's CPU default builds with inductor
         "max_model_len": 256,
         "logprobs_mode": "processed_logprobs",
         "seed": 3,
@@ -179,6 +180,7 @@ def test_the_vllm_engine_settings_follow_the_recipe_on_cuda_only():
     }
     gpu = engine_settings(gen, on_gpu=True, max_len=256, seed=3)
     assert gpu["dtype"] == "bfloat16" and not gpu["enforce_eager"]
+    assert "compilation_config" not in gpu  # vLLM's own compilation on CUDA
     assert (gpu["gpu_memory_utilization"], gpu["enable_sleep_mode"]) == (0.45, True)
     # under a launcher the engines join its processes, in groups of the tensor-parallel size
     tp = GenerationSection(vllm_tensor_parallel_size=2)
