@@ -59,23 +59,31 @@ def test_ppo_on_the_vllm_engine_learns_and_audits(ppo_recipe, pipeline, tmp_path
     assert any(r["sft"] != r["ppo"] for r in rows["vllm"])
 
 
+def _on_vllm(tensor_parallel: int) -> dict:
+    generation = {**SAMPLED["generation"], "backend": "vllm"}
+    return {**SAMPLED, "generation": {**generation, "vllm_tensor_parallel_size": tensor_parallel}}
+
+
+@pytest.fixture(scope="module")
+def one_process(ppo_recipe, pipeline, small_recipe, tmp_path_factory) -> RunDir:
+    """The one-process run both layouts are compared with (run once for the module)."""
+    from rlhf_cli.recipe import load_recipe
+    from rlhf_cli.stages.ppo import run_ppo
+
+    folder = tmp_path_factory.mktemp("one")
+    alone = load_recipe(recipe_in(folder, ppo_recipe, pipeline, small_recipe, _on_vllm(1)))
+    run_ppo(alone, Console(stderr=True, quiet=True))
+    return RunDir.for_recipe(alone)
+
+
 @pytest.mark.parametrize("tensor_parallel", [1, 2])
 def test_two_processes_on_vllm_match_one_process(
-    tensor_parallel, ppo_recipe, pipeline, small_recipe, tmp_path
+    tensor_parallel, one_process, ppo_recipe, pipeline, small_recipe, tmp_path
 ):
     """Under `accelerate launch` every process joins its engine to the launcher's processes; with
     a tensor-parallel size of 2 both share one engine and sample their prompts together. Each
     row samples from its own seed, so the numbers (and the in-training audit's, on iteration 2)
     are the one-process run's (launching.py's tolerance)."""
-    from rlhf_cli.recipe import load_recipe
-    from rlhf_cli.stages.ppo import run_ppo
-
-    def on_vllm(tp: int) -> dict:
-        generation = {**SAMPLED["generation"], "backend": "vllm", "vllm_tensor_parallel_size": tp}
-        return {**SAMPLED, "generation": generation}
-
-    alone = load_recipe(recipe_in(tmp_path / "one", ppo_recipe, pipeline, small_recipe, on_vllm(1)))
-    run_ppo(alone, Console(stderr=True, quiet=True))
-    recipe_in(tmp_path / "two", ppo_recipe, pipeline, small_recipe, on_vllm(tensor_parallel))
+    recipe_in(tmp_path / "two", ppo_recipe, pipeline, small_recipe, _on_vllm(tensor_parallel))
     run = launch("ddp", tmp_path / "two")
-    assert_same_numbers(rows(run), rows(RunDir.for_recipe(alone)))
+    assert_same_numbers(rows(run), rows(one_process))
