@@ -269,11 +269,15 @@ class RunDir:
                     return f", or take it from run '{other.name}': --set run.base={other.name}"
         return ""
 
-    def input_record(self, stage: str) -> dict[str, str]:
-        """How a consuming stage records an input: its folder and its manifest's hash."""
+    def input_record(self, stage: str) -> dict[str, Any]:
+        """How a consuming stage records an input (a completed stage): its folder, its
+        manifest's hash and when it finished (which names the attempt that made its outputs: a
+        `last_attempt` note added by a failed re-run changes the hash, not this)."""
+        data = self.manifest_path(stage).read_bytes()
         return {
             "path": str(self.stage_dir(stage)),
-            "manifest_sha256": file_sha256(self.manifest_path(stage)),
+            "manifest_sha256": hashlib.sha256(data).hexdigest(),
+            "finished_at": json.loads(data).get("finished_at"),
         }
 
     def resolve_output(self, stage: str, manifest: dict[str, Any], name: str) -> Path:
@@ -285,6 +289,23 @@ class RunDir:
                 f"the {stage} manifest of run '{self.name}' lists no output "
                 f"'{name}': run `{STAGE_COMMANDS[stage]}` again"
             ) from None
+
+
+def check_same_inputs(
+    made: dict[str, Any], now: dict[str, Any], stages: tuple[str, ...], what: str, remedy: str
+) -> None:
+    """`made` (a manifest) records the input stages it was made from; `now` holds their input
+    records as they are today. An input stage that finished again since (`rlhf sft` run anew,
+    or `run.base` naming another run) is a StageError: what was made on it no longer fits."""
+    recorded = made.get("inputs") or {}
+    for stage in stages:
+        was, current = recorded.get(stage) or {}, now.get(stage) or {}
+        if was.get("finished_at") and current.get("finished_at") not in (None, was["finished_at"]):
+            raise StageError(
+                f"{what} was made from the {stage} stage that finished at {was['finished_at']} "
+                f"({was.get('path')}); the one here now finished at {current['finished_at']} "
+                f"({current.get('path')}): {remedy}"
+            )
 
 
 def _process_start(pid: int) -> str | None:

@@ -20,7 +20,7 @@ from rich.markup import escape
 from safetensors.torch import save_file
 
 from rlhf_cli.data import audit_prompts, load_prompts, split_heldout
-from rlhf_cli.errors import DataError, ModelLoadError
+from rlhf_cli.errors import DataError, ModelLoadError, StageError
 from rlhf_cli.generation import Generator, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
@@ -42,7 +42,13 @@ from rlhf_cli.ppo.models import PolicyAndValue, ValueModel, hidden_size_of, zero
 from rlhf_cli.ppo.sharding import Engine, build_accelerator, engine_for
 from rlhf_cli.ppo.trainer import PPOContext, summarize, train
 from rlhf_cli.recipe import PpoSection, Recipe
-from rlhf_cli.rundir import PPO_CHECKPOINT, RunDir, StageRecord, resume_point
+from rlhf_cli.rundir import (
+    PPO_CHECKPOINT,
+    RunDir,
+    StageRecord,
+    check_same_inputs,
+    resume_point,
+)
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import drop_checkpoints, resume_notes, seed_everything
 from rlhf_cli.stages.trained import (
@@ -91,6 +97,8 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     # found before the manifest is touched: a refused --resume leaves the last result's intact
     checkpoints = run.stage_dir("ppo") / "checkpoints"
     checkpoint = resume_point(checkpoints, PPO_CHECKPOINT, verify, "rlhf ppo") if resume else None
+    if checkpoint is not None:
+        check_resume_inputs(run, inputs)
     with StageRecord(
         run, "ppo", recipe, inputs=inputs, write=accelerator.is_main_process
     ) as record:
@@ -107,6 +115,21 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
             if accelerator.is_main_process:
                 save(ctx, actor, recipe, sources, record, summary)
     return record.manifest
+
+
+def check_resume_inputs(run: RunDir, inputs: dict[str, Any]) -> None:
+    """A resumed run continues on the sft and rm its checkpoints were trained with."""
+    try:
+        earlier = run.read_manifest("ppo") or {}
+    except StageError:
+        return  # damaged: the checkpoints alone decide
+    check_same_inputs(
+        earlier,
+        inputs,
+        ("sft", "rm"),
+        "the interrupted ppo run",
+        "its checkpoints only fit those; `rlhf ppo` without --resume starts over on the new",
+    )
 
 
 def setup(

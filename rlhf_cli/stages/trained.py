@@ -28,7 +28,7 @@ from rlhf_cli.modeling import (
     set_dropout,
 )
 from rlhf_cli.recipe import GenerationSection, ModelSection, Recipe, RewardSection
-from rlhf_cli.rundir import RunDir
+from rlhf_cli.rundir import RunDir, check_same_inputs
 from rlhf_cli.scoring import RewardScorer
 
 
@@ -64,6 +64,10 @@ def reward_source(
     inputs["rm"] = source.input_record("rm")
     path = str(source.resolve_output("rm", manifest, "model"))
     return path, str(source.resolve_output("rm", manifest, "tokenizer"))
+
+
+# what a PPO policy trained on an SFT model that has been replaced since can do
+RETRAIN = "its weights only fit that SFT model; run `rlhf ppo` to train on the new one"
 
 
 @dataclass
@@ -111,11 +115,17 @@ def load_trained_policy(
         what = "is a file, not" if folder.exists() else "does not exist: give"
         raise StageError(f"{folder} {what} a PPO run, checkpoint, adapter or model folder")
     kind = _kind(folder)
-    base, sft_adapter, tok_source = policy_source(recipe, run, {}, "this command")
+    sft_now: dict[str, Any] = {}
+    base, sft_adapter, tok_source = policy_source(recipe, run, sft_now, "this command")
+    if kind == "checkpoint" and folder.parent.name == "checkpoints":  # of a PPO stage folder
+        made = _stage_manifest(folder.parent.parent) or {}
+        check_same_inputs(made, sft_now, ("sft",), f"the checkpoint {folder}", RETRAIN)
     if kind in ("merged", "ppo"):
         owner, stage = RunDir.of_stage_dir(folder)
         manifest = owner.require(stage, "this command")
         if kind == "ppo":
+            what = f"the ppo policy of run '{owner.name}'"
+            check_same_inputs(manifest, sft_now, ("sft",), what, RETRAIN)
             tok_source = str(owner.resolve_output(stage, manifest, "tokenizer"))
         kind = "adapter" if "adapter" in manifest["outputs"] else "model"
         folder = owner.resolve_output(stage, manifest, kind)

@@ -110,6 +110,42 @@ def test_hints_after_an_interrupted_stage_name_resume(
     assert json.loads(invoke("status", "--json").stdout)["next"] == f"{command} --resume"
 
 
+def test_a_policy_trained_on_a_replaced_sft_is_refused(make_recipe, chdir_tmp, monkeypatch):
+    """A PPO adapter only fits the SFT model it was trained on: once `rlhf sft` has completed
+    again, merge and audit refuse it and `ppo --resume` refuses to continue on the new SFT. A
+    failed re-run of sft keeps the old result (and its finish time): nothing is refused."""
+    from rlhf_cli import rundir
+    from rlhf_cli.errors import StageError
+    from rlhf_cli.stages.ppo import check_resume_inputs
+
+    clock = iter(f"2026-12-03T10:{minute:02d}:00+00:00" for minute in range(60))
+    monkeypatch.setattr(rundir, "now_iso", lambda: next(clock))
+    path = make_recipe()
+    recipe = load_recipe(path)
+    run = RunDir.for_recipe(recipe)
+    sft_outputs = {"adapter": "adapter", "tokenizer": "tokenizer"}
+    completed(run, "sft", recipe, sft_outputs)
+    with StageRecord(run, "ppo", recipe, inputs={"sft": run.input_record("sft")}) as record:
+        record.manifest["outputs"] = {"adapter": "adapter", "tokenizer": "tokenizer"}
+    with pytest.raises(ValueError), StageRecord(run, "sft", recipe, {}):
+        raise ValueError("a bad value")  # fails before replacing anything
+    assert "last_attempt" in run.read_manifest("sft")
+    check_resume_inputs(run, {"sft": run.input_record("sft")})  # the same SFT: no error
+
+    trained_on = run.read_manifest("ppo")["inputs"]["sft"]["finished_at"]
+    new = completed(run, "sft", recipe, sft_outputs)["finished_at"]  # `rlhf sft` again
+    for command in ("merge", "audit"):
+        one_line_error(
+            invoke(command, "--recipe", str(path)),
+            f"was made from the sft stage that finished at {trained_on} ",
+            f"the one here now finished at {new} ({run.stage_dir('sft')})",
+            "run `rlhf ppo` to train on the new one",
+        )
+    with pytest.raises(StageError, match="`rlhf ppo` without --resume starts over"):
+        check_resume_inputs(run, {"sft": run.input_record("sft")})
+    assert not run.stage_dir("merged").exists()
+
+
 # ── files the tool wrote, damaged ────────────────────────────────────────────────────────────
 
 

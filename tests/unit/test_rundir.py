@@ -245,6 +245,7 @@ def test_require_completed_returns_manifest_and_input_record(run: RunDir, recipe
     record_in = run.input_record("sft")
     assert record_in["path"] == str(run.stage_dir("sft"))
     assert record_in["manifest_sha256"] == file_sha256(run.manifest_path("sft"))
+    assert record_in["finished_at"] == manifest["finished_at"] is not None
 
 
 def test_file_sha256_matches_known_digest(tmp_path: Path) -> None:
