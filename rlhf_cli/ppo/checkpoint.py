@@ -129,6 +129,16 @@ def verify(folder: Path) -> str | None:
     return None
 
 
+def checkpoint_state(folder: Path) -> dict[str, Any]:
+    """A checkpoint's `state.json` (iteration, layout, the input stages it was trained on);
+    {} when it has none or cannot be read (`verify` is what judges a checkpoint whole)."""
+    try:
+        state = json.loads((folder / "state.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
 def load_checkpoint(
     folder: Path,
     *,
@@ -141,7 +151,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore state in place on every process; return `state.json`'s contents. A checkpoint
     resumes under the engine and number of processes that wrote it."""
-    state = json.loads((folder / "state.json").read_text())
+    state = checkpoint_state(folder)
     acc = engine.acc
     written = (state.get("engine", "ddp"), state.get("processes", 1))
     if written != (engine.name, acc.num_processes):

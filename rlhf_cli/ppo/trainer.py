@@ -65,6 +65,7 @@ class PPOContext:
     audit_every: int | None = None
     audit_kl_step: float = 0.0
     evaluate: Callable[[PolicyAndValue], dict[str, float]] | None = None  # held-out prompts
+    inputs: dict[str, Any] = field(default_factory=dict)  # the stages trained on (manifest's)
 
     @property
     def unwrapped(self) -> PolicyAndValue:
@@ -349,6 +350,7 @@ def checkpoint(ctx: PPOContext, iteration: int) -> Path:
             kl_ctl=ctx.kl_ctl,
             sampler=ctx.sampler,
             extra={
+                "inputs": ctx.inputs,  # what the weights fit: `--resume` and audit check it
                 "health_seen": sorted(ctx.health.seen),
                 "score_moments": ctx.score_moments and ctx.score_moments.state_dict(),
             },

@@ -89,10 +89,12 @@ class StageCallback(TrainerCallback):
     log line into metrics.jsonl once `writer` is set (`begin_writing`), and the Ctrl-C
     checkpoint: with `rundir.graceful_stop`'s `flag` (set by `train_resumable`), after the step
     in which Ctrl-C or SIGTERM came to any process, every process decides to stop (`stopping`),
-    the Trainer writes a checkpoint and stops, skipping the end-of-epoch evaluation. What it
-    logs after that checkpoint (its end-of-training summary) is not kept, so a resumed log reads
-    as an uninterrupted one. A signal during the last step stops nothing: training is done, and
-    the Trainer's own end-of-training checkpoint is not written (the stage saves its result).
+    the Trainer writes a checkpoint and stops, skipping the end-of-epoch evaluation. Every
+    checkpoint's step is logged (it ends a loss window: `run_train_loss`); what the Trainer logs
+    after the stop's checkpoint (its end-of-training summary) is not kept, so a resumed log
+    continues from the checkpoint's row. A signal during the last step stops nothing: training
+    is done, and the Trainer's own end-of-training checkpoint is not written (the stage saves
+    its result).
 
     TRL's own `RichProgressCallback` does not serve: it draws on a new stdout console (so
     `--json` output would not be JSON alone), ignores `--quiet`, and keeps no log."""

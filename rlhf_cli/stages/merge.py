@@ -18,8 +18,8 @@ from rlhf_cli.errors import MergeMismatch, StageError
 from rlhf_cli.generation import forward_logits, left_pad, tokenize_prompts
 from rlhf_cli.modeling import load_policy_tokenizer, load_sft_model, pick_device
 from rlhf_cli.recipe import ModelSection, Recipe
-from rlhf_cli.rundir import RunDir, StageRecord, check_same_inputs
-from rlhf_cli.stages.trained import RETRAIN, policy_source
+from rlhf_cli.rundir import RunDir, StageRecord
+from rlhf_cli.stages.trained import check_adapter_fits, policy_source
 
 
 def merge_model_config(recipe: Recipe) -> ModelSection:
@@ -52,8 +52,7 @@ def run_merge(
     sft_now: dict[str, Any] = {}
     base, sft_adapter, tok_source = policy_source(recipe, run, sft_now, "rlhf merge")
     if stage == "ppo":
-        what = f"the ppo adapter of run '{source.name}'"
-        check_same_inputs(manifest, sft_now, ("sft",), what, RETRAIN)
+        check_adapter_fits(manifest, sft_now, f"the ppo adapter of run '{source.name}'")
     inputs = {stage: source.input_record(stage)}
     with StageRecord(run, "merged", recipe, inputs=inputs) as record:
         # 1. Base in full precision (the SFT model for a PPO adapter), then the adapter.

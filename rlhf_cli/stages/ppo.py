@@ -20,7 +20,7 @@ from rich.markup import escape
 from safetensors.torch import save_file
 
 from rlhf_cli.data import audit_prompts, load_prompts, split_heldout
-from rlhf_cli.errors import DataError, ModelLoadError, StageError
+from rlhf_cli.errors import DataError, ModelLoadError
 from rlhf_cli.generation import Generator, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
@@ -36,7 +36,7 @@ from rlhf_cli.modeling import (
     trainable_state,
 )
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo.checkpoint import load_checkpoint, verify
+from rlhf_cli.ppo.checkpoint import checkpoint_state, load_checkpoint, verify
 from rlhf_cli.ppo.health import HealthMonitor
 from rlhf_cli.ppo.models import PolicyAndValue, ValueModel, hidden_size_of, zero_value_head
 from rlhf_cli.ppo.sharding import Engine, build_accelerator, engine_for
@@ -98,7 +98,14 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     checkpoints = run.stage_dir("ppo") / "checkpoints"
     checkpoint = resume_point(checkpoints, PPO_CHECKPOINT, verify, "rlhf ppo") if resume else None
     if checkpoint is not None:
-        check_resume_inputs(run, inputs)
+        check_same_inputs(
+            checkpoint_state(checkpoint[0]),
+            inputs,
+            ("sft", "rm"),
+            f"the checkpoint {checkpoint[0].name}",
+            "its weights were trained on the earlier one; `rlhf ppo` without --resume starts "
+            "over on this one",
+        )
     with StageRecord(
         run, "ppo", recipe, inputs=inputs, write=accelerator.is_main_process
     ) as record:
@@ -115,21 +122,6 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
             if accelerator.is_main_process:
                 save(ctx, actor, recipe, sources, record, summary)
     return record.manifest
-
-
-def check_resume_inputs(run: RunDir, inputs: dict[str, Any]) -> None:
-    """A resumed run continues on the sft and rm its checkpoints were trained with."""
-    try:
-        earlier = run.read_manifest("ppo") or {}
-    except StageError:
-        return  # damaged: the checkpoints alone decide
-    check_same_inputs(
-        earlier,
-        inputs,
-        ("sft", "rm"),
-        "the interrupted ppo run",
-        "its checkpoints only fit those; `rlhf ppo` without --resume starts over on the new",
-    )
 
 
 def setup(
@@ -192,6 +184,7 @@ def setup(
         health=HealthMonitor(state.get("health_seen")),
         score_moments=score_moments(cfg, state),
         on_warning=record.warn,
+        inputs=record.manifest["inputs"],
         audit=_live_audit(recipe, tokenizer, reference, scorer, generator),
         evaluate=_live_eval(recipe, heldout, reference, scorer, generator),
         audit_every=recipe.audit.every,

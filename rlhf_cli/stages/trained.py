@@ -27,6 +27,7 @@ from rlhf_cli.modeling import (
     make_trainable,
     set_dropout,
 )
+from rlhf_cli.ppo.checkpoint import checkpoint_state
 from rlhf_cli.recipe import GenerationSection, ModelSection, Recipe, RewardSection
 from rlhf_cli.rundir import RunDir, check_same_inputs
 from rlhf_cli.scoring import RewardScorer
@@ -66,8 +67,11 @@ def reward_source(
     return path, str(source.resolve_output("rm", manifest, "tokenizer"))
 
 
-# what a PPO policy trained on an SFT model that has been replaced since can do
-RETRAIN = "its weights only fit that SFT model; run `rlhf ppo` to train on the new one"
+def check_adapter_fits(made: dict[str, Any], sft_now: dict[str, Any], what: str) -> None:
+    """A PPO adapter (or LoRA checkpoint) only fits the SFT model it was trained on: `made`
+    (its manifest or checkpoint state) must record the sft stage that `sft_now` holds."""
+    remedy = "the adapter only fits the SFT model it was trained on; run `rlhf ppo` on this one"
+    check_same_inputs(made, sft_now, ("sft",), what, remedy)
 
 
 @dataclass
@@ -117,16 +121,16 @@ def load_trained_policy(
     kind = _kind(folder)
     sft_now: dict[str, Any] = {}
     base, sft_adapter, tok_source = policy_source(recipe, run, sft_now, "this command")
-    if kind == "checkpoint" and folder.parent.name == "checkpoints":  # of a PPO stage folder
-        made = _stage_manifest(folder.parent.parent) or {}
-        check_same_inputs(made, sft_now, ("sft",), f"the checkpoint {folder}", RETRAIN)
+    if kind == "checkpoint":
+        check_adapter_fits(checkpoint_state(folder), sft_now, f"the checkpoint {folder}")
     if kind in ("merged", "ppo"):
         owner, stage = RunDir.of_stage_dir(folder)
         manifest = owner.require(stage, "this command")
         if kind == "ppo":
-            what = f"the ppo policy of run '{owner.name}'"
-            check_same_inputs(manifest, sft_now, ("sft",), what, RETRAIN)
             tok_source = str(owner.resolve_output(stage, manifest, "tokenizer"))
+            if "adapter" in manifest["outputs"]:
+                what = f"the ppo adapter of run '{owner.name}'"
+                check_adapter_fits(manifest, sft_now, what)
         kind = "adapter" if "adapter" in manifest["outputs"] else "model"
         folder = owner.resolve_output(stage, manifest, kind)
     tokenizer = load_policy_tokenizer(model_cfg, tok_source, "left")

@@ -110,40 +110,60 @@ def test_hints_after_an_interrupted_stage_name_resume(
     assert json.loads(invoke("status", "--json").stdout)["next"] == f"{command} --resume"
 
 
+def _checkpoint_of(run: RunDir, inputs: dict) -> Path:
+    """A whole (checksummed) PPO checkpoint whose state records `inputs`."""
+    from rlhf_cli.rundir import atomic_write_json, file_sha256
+
+    folder = run.stage_dir("ppo") / "checkpoints" / "iter_00001"
+    atomic_write_json(folder / "state.json", {"iteration": 1, "inputs": inputs})
+    digest = {"state.json": file_sha256(folder / "state.json")}
+    atomic_write_json(folder / "checkpoint.json", {"iteration": 1, "sha256": digest})
+    return folder
+
+
 def test_a_policy_trained_on_a_replaced_sft_is_refused(make_recipe, chdir_tmp, monkeypatch):
     """A PPO adapter only fits the SFT model it was trained on: once `rlhf sft` has completed
-    again, merge and audit refuse it and `ppo --resume` refuses to continue on the new SFT. A
-    failed re-run of sft keeps the old result (and its finish time): nothing is refused."""
+    again, merge and audit refuse the final adapter and a checkpoint, and `ppo --resume`
+    refuses to continue on the new SFT. A failed re-run of sft keeps the old result (and its
+    finish time): nothing is refused."""
     from rlhf_cli import rundir
-    from rlhf_cli.errors import StageError
-    from rlhf_cli.stages.ppo import check_resume_inputs
 
     clock = iter(f"2026-12-03T10:{minute:02d}:00+00:00" for minute in range(60))
     monkeypatch.setattr(rundir, "now_iso", lambda: next(clock))
     path = make_recipe()
     recipe = load_recipe(path)
     run = RunDir.for_recipe(recipe)
-    sft_outputs = {"adapter": "adapter", "tokenizer": "tokenizer"}
-    completed(run, "sft", recipe, sft_outputs)
-    with StageRecord(run, "ppo", recipe, inputs={"sft": run.input_record("sft")}) as record:
-        record.manifest["outputs"] = {"adapter": "adapter", "tokenizer": "tokenizer"}
+    outputs = {"adapter": "adapter", "tokenizer": "tokenizer"}
+    completed(run, "sft", recipe, outputs)
+    completed(run, "rm", recipe, {"model": "model", "tokenizer": "model"})
+    inputs = {"sft": run.input_record("sft"), "rm": run.input_record("rm")}
+    with StageRecord(run, "ppo", recipe, inputs=inputs) as record:
+        record.manifest["outputs"] = outputs
+    checkpoint = _checkpoint_of(run, inputs)
     with pytest.raises(ValueError), StageRecord(run, "sft", recipe, {}):
         raise ValueError("a bad value")  # fails before replacing anything
     assert "last_attempt" in run.read_manifest("sft")
-    check_resume_inputs(run, {"sft": run.input_record("sft")})  # the same SFT: no error
+    refused = "the adapter only fits the SFT model it was trained on; run `rlhf ppo` on this one"
+    # the same SFT: the models load (and are missing here), no word of the SFT
+    assert refused not in invoke("merge", "--recipe", str(path)).output
 
-    trained_on = run.read_manifest("ppo")["inputs"]["sft"]["finished_at"]
-    new = completed(run, "sft", recipe, sft_outputs)["finished_at"]  # `rlhf sft` again
-    for command in ("merge", "audit"):
-        one_line_error(
-            invoke(command, "--recipe", str(path)),
-            f"was made from the sft stage that finished at {trained_on} ",
-            f"the one here now finished at {new} ({run.stage_dir('sft')})",
-            "run `rlhf ppo` to train on the new one",
-        )
-    with pytest.raises(StageError, match="`rlhf ppo` without --resume starts over"):
-        check_resume_inputs(run, {"sft": run.input_record("sft")})
-    assert not run.stage_dir("merged").exists()
+    merged_before = run.manifest_path("merged").read_bytes()  # that attempt's failure
+    trained_on = inputs["sft"]["finished_at"]
+    new = completed(run, "sft", recipe, outputs)["finished_at"]  # `rlhf sft` again
+    changed = (
+        f"was made from the sft stage that finished at {trained_on} ",
+        f"the one here now finished at {new} ({run.stage_dir('sft')})",
+    )
+    for args in (["merge"], ["audit"], ["audit", str(checkpoint)]):
+        one_line_error(invoke(*args, "--recipe", str(path)), *changed, refused)
+    one_line_error(
+        invoke("ppo", "--resume", "--recipe", str(path)),
+        "the checkpoint iter_00001 was made from the sft stage",
+        *changed,
+        "`rlhf ppo` without --resume starts over on this one",
+    )
+    assert run.manifest_path("merged").read_bytes() == merged_before  # refused before starting
+    assert run.read_manifest("ppo")["outputs"] == outputs  # the last result is kept
 
 
 # ── files the tool wrote, damaged ────────────────────────────────────────────────────────────

@@ -1,7 +1,7 @@
 """sft and train-rm never lose work: Ctrl-C (or SIGTERM) finishes the step, writes a Trainer
 checkpoint and stops with the manifest 'interrupted'; `--resume` continues from it and ends
-where the uninterrupted run ends (same log, same weights); a completed stage drops its
-checkpoints."""
+where the uninterrupted run ends (the same log, up to the row a stop between logging steps adds;
+the same weights and train_loss); a completed stage drops its checkpoints."""
 
 from __future__ import annotations
 
