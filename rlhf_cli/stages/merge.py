@@ -19,7 +19,7 @@ from rlhf_cli.generation import forward_logits, left_pad, tokenize_prompts
 from rlhf_cli.modeling import load_policy_tokenizer, load_sft_model, pick_device
 from rlhf_cli.recipe import ModelSection, Recipe
 from rlhf_cli.rundir import RunDir, StageRecord
-from rlhf_cli.stages.trained import check_adapter_fits, policy_source
+from rlhf_cli.stages.trained import check_sft_fits, policy_source
 
 
 def merge_model_config(recipe: Recipe) -> ModelSection:
@@ -52,8 +52,8 @@ def run_merge(
     sft_now: dict[str, Any] = {}
     base, sft_adapter, tok_source = policy_source(recipe, run, sft_now, "rlhf merge")
     if stage == "ppo":
-        check_adapter_fits(manifest, sft_now, f"the ppo adapter of run '{source.name}'")
-    inputs = {stage: source.input_record(stage)}
+        check_sft_fits(manifest, sft_now, f"the ppo adapter of run '{source.name}'", "adapter")
+    inputs = {**sft_now, stage: source.input_record(stage)}  # and the SFT it stands on
     with StageRecord(run, "merged", recipe, inputs=inputs) as record:
         # 1. Base in full precision (the SFT model for a PPO adapter), then the adapter.
         with console.status(f"loading the base in {model_cfg.dtype} and the {stage} adapter"):

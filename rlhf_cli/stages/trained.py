@@ -67,10 +67,14 @@ def reward_source(
     return path, str(source.resolve_output("rm", manifest, "tokenizer"))
 
 
-def check_adapter_fits(made: dict[str, Any], sft_now: dict[str, Any], what: str) -> None:
-    """A PPO adapter (or LoRA checkpoint) only fits the SFT model it was trained on: `made`
-    (its manifest or checkpoint state) must record the sft stage that `sft_now` holds."""
-    remedy = "the adapter only fits the SFT model it was trained on; run `rlhf ppo` on this one"
+def check_sft_fits(made: dict[str, Any], sft_now: dict[str, Any], what: str, kind: str) -> None:
+    """A policy stands on the SFT model it was made from: an adapter (or LoRA checkpoint) only
+    fits it, and whole weights measure their KL against it. `made` (its manifest or checkpoint
+    state) must record the sft stage that `sft_now` holds."""
+    if kind == "adapter":
+        remedy = "the adapter only fits the SFT model it was trained on; run `rlhf ppo` on this one"
+    else:
+        remedy = "its KL would be measured against another reference; make one from this SFT"
     check_same_inputs(made, sft_now, ("sft",), what, remedy)
 
 
@@ -122,16 +126,14 @@ def load_trained_policy(
     sft_now: dict[str, Any] = {}
     base, sft_adapter, tok_source = policy_source(recipe, run, sft_now, "this command")
     if kind == "checkpoint":
-        check_adapter_fits(checkpoint_state(folder), sft_now, f"the checkpoint {folder}")
+        check_sft_fits(checkpoint_state(folder), sft_now, f"the checkpoint {folder}", "adapter")
     if kind in ("merged", "ppo"):
         owner, stage = RunDir.of_stage_dir(folder)
         manifest = owner.require(stage, "this command")
         if kind == "ppo":
             tok_source = str(owner.resolve_output(stage, manifest, "tokenizer"))
-            if "adapter" in manifest["outputs"]:
-                what = f"the ppo adapter of run '{owner.name}'"
-                check_adapter_fits(manifest, sft_now, what)
         kind = "adapter" if "adapter" in manifest["outputs"] else "model"
+        check_sft_fits(manifest, sft_now, f"the {stage} {kind} of run '{owner.name}'", kind)
         folder = owner.resolve_output(stage, manifest, kind)
     tokenizer = load_policy_tokenizer(model_cfg, tok_source, "left")
     label = folder.name if kind == "checkpoint" else run.name

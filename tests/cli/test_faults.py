@@ -123,8 +123,9 @@ def _checkpoint_of(run: RunDir, inputs: dict) -> Path:
 
 def test_a_policy_trained_on_a_replaced_sft_is_refused(make_recipe, chdir_tmp, monkeypatch):
     """A PPO adapter only fits the SFT model it was trained on: once `rlhf sft` has completed
-    again, merge and audit refuse the final adapter and a checkpoint, and `ppo --resume`
-    refuses to continue on the new SFT. A failed re-run of sft keeps the old result (and its
+    again, merge and audit refuse the final adapter and a checkpoint, audit refuses a merged
+    model made from the old SFT (its KL reference), and `ppo --resume` refuses to continue on
+    the new SFT. A failed re-run of sft keeps the old result (and its
     finish time): nothing is refused."""
     from rlhf_cli import rundir
 
@@ -140,6 +141,9 @@ def test_a_policy_trained_on_a_replaced_sft_is_refused(make_recipe, chdir_tmp, m
     with StageRecord(run, "ppo", recipe, inputs=inputs) as record:
         record.manifest["outputs"] = outputs
     checkpoint = _checkpoint_of(run, inputs)
+    merged = {"sft": inputs["sft"], "ppo": run.input_record("ppo")}
+    with StageRecord(run, "merged", recipe, inputs=merged) as record:  # made before the re-run
+        record.manifest["outputs"] = {"model": "model", "tokenizer": "model"}
     with pytest.raises(ValueError), StageRecord(run, "sft", recipe, {}):
         raise ValueError("a bad value")  # fails before replacing anything
     assert "last_attempt" in run.read_manifest("sft")
@@ -147,7 +151,7 @@ def test_a_policy_trained_on_a_replaced_sft_is_refused(make_recipe, chdir_tmp, m
     # the same SFT: the models load (and are missing here), no word of the SFT
     assert refused not in invoke("merge", "--recipe", str(path)).output
 
-    merged_before = run.manifest_path("merged").read_bytes()  # that attempt's failure
+    merged_before = run.manifest_path("merged").read_bytes()  # the failure is a last_attempt
     trained_on = inputs["sft"]["finished_at"]
     new = completed(run, "sft", recipe, outputs)["finished_at"]  # `rlhf sft` again
     changed = (
@@ -156,6 +160,12 @@ def test_a_policy_trained_on_a_replaced_sft_is_refused(make_recipe, chdir_tmp, m
     )
     for args in (["merge"], ["audit"], ["audit", str(checkpoint)]):
         one_line_error(invoke(*args, "--recipe", str(path)), *changed, refused)
+    one_line_error(  # whole weights: KL against another SFT would mean nothing
+        invoke("audit", str(run.stage_dir("merged")), "--recipe", str(path)),
+        "the merged model of run 'tiny' was made from the sft stage",
+        *changed,
+        "its KL would be measured against another reference; make one from this SFT",
+    )
     one_line_error(
         invoke("ppo", "--resume", "--recipe", str(path)),
         "the checkpoint iter_00001 was made from the sft stage",
