@@ -16,6 +16,7 @@ from rich.console import Console
 from rlhf_cli.errors import PushError, StageError
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes
+from rlhf_cli.stages.trained import check_sft_fits
 from rlhf_cli.tracking import metrics_line, read_metrics
 
 
@@ -143,11 +144,15 @@ def model_card(recipe: Recipe, run: RunDir, adapter_only: bool) -> str:
 
 
 def push_folder(recipe: Recipe, run: RunDir, adapter_only: bool) -> Path:
-    if adapter_only:
-        manifest = run.require("ppo", "rlhf push --adapter-only")
-        return run.resolve_output("ppo", manifest, "adapter")
-    manifest = run.require("merged", "rlhf push")
-    return run.resolve_output("merged", manifest, "model")
+    """The folder to upload: the PPO adapter or the merged model, made from the SFT stage the
+    model card describes."""
+    stage, kind = ("ppo", "adapter") if adapter_only else ("merged", "model")
+    manifest = run.require(stage, "rlhf push --adapter-only" if adapter_only else "rlhf push")
+    sft = run.owner("sft")
+    if (sft.read_manifest("sft") or {}).get("status") == "completed":
+        sft_now = {"sft": sft.input_record("sft")}
+        check_sft_fits(manifest, sft_now, f"the {stage} {kind} of run '{run.name}'", kind)
+    return run.resolve_output(stage, manifest, kind)
 
 
 def run_push(
