@@ -45,8 +45,11 @@ def checkpoint_mismatch(folder: object, why: str) -> StageError:
 
 
 def is_shape_error(exc: BaseException) -> bool:
-    """torch's or the optimizer's error for saved weights of other shapes than the model's."""
-    return "size" in str(exc) or "shape" in str(exc)
+    """torch's or the optimizer's error for saved weights of other shapes than the model's
+    ("size mismatch for ...", "... must match the size of ...", "... shape ..."), not any
+    message that happens to say "size" (a batch size, a vocabulary size)."""
+    text = str(exc)
+    return any(marker in text for marker in ("size mismatch", "match the size", "shape"))
 
 
 def write_remedy(exc: OSError) -> str:

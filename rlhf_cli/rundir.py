@@ -513,38 +513,36 @@ class StageRecord:
             first = str(exc).splitlines()[0] if str(exc) else ""
             self.manifest["error"] = f"{exc_type.__name__}: {first}"
         self.manifest["finished_at"] = now_iso()
-        if exc is not None and self.write:  # the one-line report says what became of it
-            exc.manifest_note = (  # type: ignore[union-attr]
-                f"the manifest says '{self.manifest['status']}'"
-                if self._replacing
-                else "the stage's earlier state is kept"
-            )
         try:
             if exc_type is None or self._replacing or not self.write:
                 self.save()
+                note = f"the manifest says '{self.manifest['status']}'"
                 failed = exc_type is not None and self.write
                 if failed and not (self.run.completed_stages() or resumable(self.run, self.stage)):
                     _restore(self.run.output_dir / "LATEST", self._before.get("latest"))
             else:
-                self._undo()
+                note = self._undo()
+            if exc is not None and self.write:  # the one-line report says what became of it
+                exc.manifest_note = note  # type: ignore[union-attr]
         finally:
             if self._lock is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._lock)
 
-    def _undo(self) -> None:
-        """A failed or stopped attempt that replaced nothing: the state before it comes back."""
+    def _undo(self) -> str:
+        """A failed or stopped attempt that replaced nothing: the state before it comes back;
+        what became of the manifest, for the one-line report."""
         before = self._before
         _restore(self.run.output_dir / "LATEST", before["latest"])
         if not before["run_existed"]:
             import shutil
 
             shutil.rmtree(self.run.path, ignore_errors=True)
-            return
+            return "no run was changed"
         _restore(self.run.recipe_path(), before["recipe"])
         if before["manifest"] is None:
             self.save()  # no earlier result: the attempt's own failure is what there is
-            return
+            return f"the manifest says '{self.manifest['status']}'"
         try:
             previous = json.loads(before["manifest"])
             previous["last_attempt"] = {
@@ -553,6 +551,7 @@ class StageRecord:
             atomic_write_json(self.run.manifest_path(self.stage), previous)
         except (ValueError, AttributeError, TypeError):
             _restore(self.run.manifest_path(self.stage), before["manifest"])
+        return "the stage's earlier state is kept"
 
 
 def recipe_near(path: Path | None) -> Path | None:

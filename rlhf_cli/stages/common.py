@@ -280,7 +280,7 @@ def resume_notes(record: StageRecord, notes: list[str], console: Console) -> Non
 
 
 def drop_checkpoints(record: StageRecord) -> None:
-    """The Trainer's checkpoints go once they cannot be wanted: at a fresh start, and when the
-    stage has saved its result."""
+    """The stage's checkpoints (the Trainer's or PPO's) go once they cannot be wanted: at a
+    fresh start, and when the stage has saved its result."""
     if record.write:
         shutil.rmtree(record.dir / "checkpoints", ignore_errors=True)

@@ -15,8 +15,7 @@ from rich.console import Console
 
 from rlhf_cli.errors import PushError, StageError
 from rlhf_cli.recipe import Recipe
-from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes
-from rlhf_cli.stages.trained import check_sft_fits
+from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes, check_same_inputs
 from rlhf_cli.tracking import metrics_line, read_metrics
 
 
@@ -151,7 +150,12 @@ def push_folder(recipe: Recipe, run: RunDir, adapter_only: bool) -> Path:
     sft = run.owner("sft")
     if (sft.read_manifest("sft") or {}).get("status") == "completed":
         sft_now = {"sft": sft.input_record("sft")}
-        check_sft_fits(manifest, sft_now, f"the {stage} {kind} of run '{run.name}'", kind)
+        remedy = "the model card would describe another SFT; run `rlhf ppo` on this one"
+        if not adapter_only:
+            remedy += " and `rlhf merge`"
+        check_same_inputs(
+            manifest, sft_now, ("sft",), f"the {stage} {kind} of run '{run.name}'", remedy
+        )
     return run.resolve_output(stage, manifest, kind)
 
 

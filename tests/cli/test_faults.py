@@ -160,13 +160,18 @@ def test_a_policy_trained_on_a_replaced_sft_is_refused(make_recipe, chdir_tmp, m
     )
     for args in (["merge"], ["audit"], ["audit", str(checkpoint)]):
         one_line_error(invoke(*args, "--recipe", str(path)), *changed, refused)
-    for args in (["audit", str(run.stage_dir("merged"))], ["push", "--dry-run"]):
-        one_line_error(  # whole weights: KL against another SFT, a card about another SFT
-            invoke(*args, "--recipe", str(path)),
-            "the merged model of run 'tiny' was made from the sft stage",
-            *changed,
-            "its KL would be measured against another reference; make one from this SFT",
-        )
+    one_line_error(  # whole weights: KL against another SFT would mean nothing
+        invoke("audit", str(run.stage_dir("merged")), "--recipe", str(path)),
+        "the merged model of run 'tiny' was made from the sft stage",
+        *changed,
+        "its KL would be measured against another reference; make one from this SFT",
+    )
+    one_line_error(
+        invoke("push", "--dry-run", "--recipe", str(path)),
+        "the merged model of run 'tiny' was made from the sft stage",
+        *changed,
+        "the model card would describe another SFT; run `rlhf ppo` on this one and `rlhf merge`",
+    )
     one_line_error(
         invoke("ppo", "--resume", "--recipe", str(path)),
         "the checkpoint iter_00001 was made from the sft stage",

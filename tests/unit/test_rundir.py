@@ -407,3 +407,25 @@ def test_a_process_that_does_not_write_never_touches_latest(run: RunDir, recipe:
         record.replacing()
         raise RuntimeError("rank 1 failed")
     assert (run.output_dir / "LATEST").read_text().strip() == "demo"
+
+
+def test_a_stopped_attempt_says_what_became_of_the_manifest(run: RunDir, recipe: Recipe) -> None:
+    """The interrupted line's note follows what the exit did: a new run is removed, a stage
+    with no earlier result keeps this attempt's, an earlier result stays, a replaced one says
+    'interrupted'."""
+
+    def stop(stage: str, replacing: bool = False) -> str:
+        with pytest.raises(KeyboardInterrupt) as caught, StageRecord(run, stage, recipe, {}) as r:
+            if replacing:
+                r.replacing()
+            raise KeyboardInterrupt
+        return caught.value.manifest_note
+
+    assert stop("sft") == "no run was changed" and not run.path.exists()
+    with StageRecord(run, "sft", recipe, inputs={}):
+        pass
+    assert stop("rm") == "the manifest says 'interrupted'"
+    assert run.read_manifest("rm")["status"] == "interrupted"
+    assert stop("sft") == "the stage's earlier state is kept"
+    assert run.read_manifest("sft")["status"] == "completed"
+    assert stop("sft", replacing=True) == "the manifest says 'interrupted'"
