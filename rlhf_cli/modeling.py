@@ -127,6 +127,26 @@ def bnb_config(q: QuantizationSection, device: torch.device) -> Any:
     )
 
 
+def keep_4bit_unpacked(model: torch.nn.Module) -> torch.nn.Module:
+    """Every 4-bit layer of `model` keeps bitsandbytes' standard weight layout on every CPU.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.48 and later) rewrites a `Linear4bit` weight into
+    a packed layout on the layer's first forward that runs in eval mode without gradients (our
+    rollout log-probs, the reference, old values, held-out evaluation, the audit). That layout
+    (1) has no backward through the layer, so every later training forward silently loses the
+    gradient into the LoRA weights below it; (2) keeps the block scales in bfloat16, so packed
+    log-probs differ from the training forward's (a ratio that is not 1 at the first step) and
+    from any machine without the instruction set; (3) needs in_features divisible by the
+    quantisation block and out_features by 32, or the forward fails; and (4) is undone at the
+    next `state_dict` (any checkpoint save) into another model: bitsandbytes 0.50 leaves the
+    block scales in the packed order, which moved the tiny model's logits by 0.36. Called on
+    every 4-bit model we load or rebuild (tests/unit/test_bnb_cpu_packing.py)."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
 def assert_quantised(model: torch.nn.Module, name: str) -> None:
     """No silent full-precision fallback: a 4-bit load must contain 4-bit linear layers."""
     import bitsandbytes as bnb
@@ -173,6 +193,7 @@ def _load_weights(
     model = _from_pretrained(cls, path, **kwargs)
     if quant is not None:
         assert_quantised(model, name_or_path)
+        keep_4bit_unpacked(model)
     elif not model_cfg.device_map:
         model.to(device)
     return model
@@ -310,6 +331,7 @@ def load_sft_model(
     model = load_causal_lm(base, model_cfg.variant(lora=False), device, trainable=False)
     if sft_adapter is not None:
         model = PeftModel.from_pretrained(model, str(sft_adapter)).merge_and_unload()
+        keep_4bit_unpacked(model)  # a merge into 4-bit builds new 4-bit layers
     return model
 
 
