@@ -130,7 +130,7 @@ def logits_and_values(actor: Any, batch: dict, response_logits: bool) -> tuple[A
 
 
 def ppo_loss(actor: Any, batch: dict, variant: dict[str, bool]) -> Any:
-    """PPO's mini-batch loss (as ppo/trainer.py: minibatch_loss), entropy_coef 0."""
+    """PPO's mini-batch loss (as ppo/loop.py: minibatch_loss), entropy_coef 0."""
     import torch
 
     from rlhf_cli.generation import response_logprobs, score_temperature

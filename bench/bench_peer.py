@@ -158,7 +158,7 @@ def run_ours(s: Settings, work: Path, tag: str, lora: bool) -> dict[str, Any]:
     import torch
     from rich.console import Console
 
-    import rlhf_cli.ppo.trainer as loop
+    import rlhf_cli.ppo.loop as loop
     from rlhf_cli.recipe import load_recipe
     from rlhf_cli.stages.ppo import run_ppo
     from rlhf_cli.tracking import read_metrics
@@ -169,9 +169,9 @@ def run_ours(s: Settings, work: Path, tag: str, lora: bool) -> dict[str, Any]:
     before_save: list[float] = []
     original_checkpoint = loop.checkpoint
 
-    def checkpoint(ctx: Any, iteration: int) -> Any:
+    def checkpoint(ppo: Any, iteration: int) -> Any:
         before_save.append(peak_rss_mb())
-        return original_checkpoint(ctx, iteration)
+        return original_checkpoint(ppo, iteration)
 
     loop.checkpoint = checkpoint
     rss_start = peak_rss_mb()

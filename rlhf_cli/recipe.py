@@ -27,6 +27,9 @@ from pydantic import (
 from rlhf_cli.errors import RecipeError
 
 BUILTIN_PREFIX = "builtin:"
+# estimators that compare a prompt's completions (ppo/estimators.py's grouped rows; a unit test
+# keeps the two equal)
+GROUPED_ESTIMATORS = ("rloo", "grpo")
 LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")
 GUIDE_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GUIDE_SYCOPHANTIC_OPENERS = [
@@ -548,7 +551,7 @@ class PpoSection(Section):
                 f"num_generations: {self.num_generations} must divide "
                 f"ppo.batch_size ({self.batch_size}), which counts completions"
             )
-        if self.advantage_estimator in ("rloo", "grpo") and self.num_generations < 2:
+        if self.advantage_estimator in GROUPED_ESTIMATORS and self.num_generations < 2:
             raise ValueError(
                 f"num_generations: {self.advantage_estimator} compares each completion with "
                 "the prompt's others; set ppo.num_generations to 2 or more"

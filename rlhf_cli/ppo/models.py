@@ -9,12 +9,25 @@ The critic-free estimators (rloo, grpo, reinforce_pp) build neither: the actor i
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
-from rlhf_cli.errors import StageError
+from rlhf_cli.errors import ModelLoadError, StageError
 from rlhf_cli.generation import position_ids_from
+from rlhf_cli.modeling import (
+    Reference,
+    load_backbone,
+    load_sft_model,
+    make_trainable,
+    resolve_model_path,
+    set_dropout,
+)
+from rlhf_cli.ppo.estimators import estimator
+from rlhf_cli.recipe import Recipe
+from rlhf_cli.scoring import RewardScorer
 
 
 def zero_value_head(hidden_size: int) -> nn.Linear:
@@ -115,3 +128,83 @@ class PolicyAndValue(nn.Module):
 def hidden_size_of(model: Any) -> int:
     config = model.config
     return int(getattr(config, "hidden_size", None) or config.get_text_config().hidden_size)
+
+
+class PpoSources(NamedTuple):
+    """Where PPO's models come from (the run's manifests or the recipe)."""
+
+    base: str  # policy base weights
+    sft_adapter: Path | None  # SFT adapter merged into the base, if any
+    tokenizer: str
+    reward: str | None  # the frozen reward model (None: `reward.functions` alone)
+    reward_tokenizer: str | None
+
+
+def build_actor(
+    recipe: Recipe,
+    sources: PpoSources,
+    device: torch.device,
+    scorer: RewardScorer,
+    tokenizer: Any,
+) -> tuple[PolicyAndValue, Reference]:
+    """Policy (+ fresh LoRA), value head or critic (`gae` only), and the reference, dropout off.
+    What trains
+    keeps fp32 master weights (`make_trainable`); frozen weights keep the recipe's dtype. A
+    critic from the reward model (`value_init: reward_model`) needs the policy's `tokenizer`."""
+    cfg = recipe.ppo
+    policy, reference = build_policy(recipe, sources, device)
+    if not estimator(cfg.advantage_estimator).needs_critic:  # no value model at all
+        actor = PolicyAndValue(policy)
+    elif cfg.value_model == "shared":
+        actor = PolicyAndValue(policy, value_head=zero_value_head(hidden_size_of(policy)))
+    else:
+        from_reward = cfg.value_init == "reward_model"
+        if from_reward and (
+            scorer.tokenizer is None or scorer.tokenizer.get_vocab() != tokenizer.get_vocab()
+        ):
+            raise ModelLoadError(
+                "ppo.value_init: reward_model needs a reward model that shares "
+                "the policy's tokenizer (reward.functions alone have none); use "
+                "value_init: policy"
+            )
+        source = resolve_model_path(sources.reward if from_reward else sources.base)
+        # The critic follows the policy's settings: 4-bit base + LoRA, LoRA, or fp32 weights.
+        backbone = load_backbone(source, recipe.model, device)
+        head = zero_value_head(hidden_size_of(backbone))  # fp32, trained in full
+        if from_reward:
+            head.load_state_dict(_reward_head(scorer.model, sources.reward))
+        set_dropout(backbone, 0.0)
+        actor = PolicyAndValue(policy, critic=ValueModel(backbone, head))
+    return actor.to(device), reference
+
+
+def build_policy(
+    recipe: Recipe, sources: PpoSources, device: torch.device
+) -> tuple[Any, Reference]:
+    """The SFT model made trainable (a fresh LoRA adapter, on 4-bit weights when asked, or all
+    weights in fp32) with dropout off, and its frozen reference: the policy with its adapter
+    disabled, or a frozen copy in the recipe's dtype."""
+    model_cfg, base, adapter = recipe.model, sources.base, sources.sft_adapter
+    full = not model_cfg.lora.enabled  # every weight trains: loaded in fp32
+    sft = load_sft_model(
+        model_cfg.variant(dtype="float32") if full else model_cfg, base, adapter, device
+    )
+    policy = make_trainable(sft, model_cfg, "CAUSAL_LM", no_dropout=True)
+    frozen = load_sft_model(model_cfg, base, adapter, device) if full else None
+    reference = Reference(policy, frozen_copy=frozen)
+    set_dropout(policy, 0.0)
+    return policy, reference
+
+
+def _reward_head(reward_model: Any, reward_path: str) -> dict[str, torch.Tensor]:
+    """The reward model's scalar head, to start a per-token critic from it."""
+    head = getattr(reward_model, "score", None) or getattr(reward_model, "classifier", None)
+    if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
+        raise ModelLoadError(
+            f"reward model '{reward_path}' has no linear 1-logit head to "
+            "initialise the critic from; use ppo.value_init: policy"
+        )
+    return {
+        "weight": head.weight.detach().float(),
+        "bias": head.bias.detach().float() if head.bias is not None else torch.zeros(1),
+    }

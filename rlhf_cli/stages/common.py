@@ -14,7 +14,13 @@ from rich.console import Console
 from transformers import TrainerCallback
 
 from rlhf_cli.errors import checkpoint_mismatch, is_shape_error
-from rlhf_cli.rundir import TRAINER_CHECKPOINT, StageRecord, graceful_stop, resume_point
+from rlhf_cli.rundir import (
+    TRAINER_CHECKPOINT,
+    StageRecord,
+    StopRequest,
+    graceful_stop,
+    resume_point,
+)
 from rlhf_cli.tracking import (
     MetricsWriter,
     Trackers,
@@ -102,7 +108,7 @@ class StageCallback(TrainerCallback):
     def __init__(self, console: Console, description: str):
         self.description = description
         self.writer: MetricsWriter | None = None
-        self.flag: dict[str, Any] = {"stop": False, "saved": None}
+        self.flag = StopRequest()
         self.began = self.stopping = self.closed = False
         self.progress = make_progress(console)
         self.task: Any = None
@@ -119,7 +125,7 @@ class StageCallback(TrainerCallback):
         if state.global_step >= state.max_steps:
             control.should_save = False  # done: the stage saves the result itself
             return
-        stop = bool(self.flag["stop"])
+        stop = self.flag.requested
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             anyone = torch.tensor(float(stop), device=args.device)  # one flag, not a sync alone
             torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX)
@@ -135,7 +141,7 @@ class StageCallback(TrainerCallback):
             control.should_evaluate = False
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.flag["saved"] = f"checkpoint-{state.global_step} (step {state.global_step})"
+        self.flag.saved = f"checkpoint-{state.global_step} (step {state.global_step})"
         self.closed = self.stopping  # the stop's checkpoint: the log ends here
 
     def on_log(
@@ -183,7 +189,7 @@ def train_resumable(
                 raise
             raise checkpoint_mismatch(checkpoint, str(exc).splitlines()[0][:200]) from None
     if stage.stopping:
-        raise KeyboardInterrupt(f"{flag['saved']} saved; `{command} --resume` continues")
+        raise KeyboardInterrupt(f"{flag.saved} saved; `{command} --resume` continues")
     return result
 
 

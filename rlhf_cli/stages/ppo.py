@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -20,27 +20,24 @@ from rich.markup import escape
 from safetensors.torch import save_file
 
 from rlhf_cli.data import audit_prompts, load_prompts, split_heldout
-from rlhf_cli.errors import DataError, ModelLoadError
+from rlhf_cli.errors import DataError
 from rlhf_cli.generation import Generator, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
-    load_backbone,
     load_policy_tokenizer,
-    load_sft_model,
-    make_trainable,
     mixed_precision,
     pick_device,
     resolve_dtype,
-    resolve_model_path,
-    set_dropout,
     trainable_state,
 )
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.checkpoint import checkpoint_state, load_checkpoint, verify
 from rlhf_cli.ppo.health import HealthMonitor
-from rlhf_cli.ppo.models import PolicyAndValue, ValueModel, hidden_size_of, zero_value_head
+from rlhf_cli.ppo.logs import RunLogs, summarize
+from rlhf_cli.ppo.loop import train
+from rlhf_cli.ppo.models import PolicyAndValue, PpoSources, build_actor
+from rlhf_cli.ppo.run import Hooks, Models, PPORun, TrainState
 from rlhf_cli.ppo.sharding import Engine, build_accelerator, engine_for
-from rlhf_cli.ppo.trainer import PPOContext, summarize, train
 from rlhf_cli.recipe import PpoSection, Recipe
 from rlhf_cli.rundir import (
     PPO_CHECKPOINT,
@@ -66,16 +63,6 @@ from rlhf_cli.tracking import (
     tracker_config,
     truncate_metrics,
 )
-
-
-class PpoSources(NamedTuple):
-    """Where PPO's models come from (the run's manifests or the recipe)."""
-
-    base: str  # policy base weights
-    sft_adapter: Path | None  # SFT adapter merged into the base, if any
-    tokenizer: str
-    reward: str | None  # the frozen reward model (None: `reward.functions` alone)
-    reward_tokenizer: str | None
 
 
 def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str, Any]:
@@ -109,18 +96,21 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     with StageRecord(
         run, "ppo", recipe, inputs=inputs, write=accelerator.is_main_process
     ) as record:
-        ctx, start = setup(recipe, run, sources, accelerator, record, console, checkpoint)
+        ppo, start = setup(recipe, run, sources, accelerator, record, console, checkpoint)
         try:
-            summary = train(ctx, start)
+            summary = train(ppo, start)
         finally:
-            ctx.writer.close()
-            ctx.samples.close()
+            ppo.logs.close()
             finish_trackers(accelerator)
-            record.manifest["metrics"] = {**summarize(ctx.history), "kl_coef_now": ctx.kl_ctl.value}
+            record.manifest["metrics"] = {
+                **summarize(ppo.logs.history),
+                "kl_coef_now": ppo.state.kl_ctl.value,
+            }
             record.save()
-        with ctx.engine.gathered(ctx.actor) as actor:  # the final weights, whole, saved once
+        models = ppo.models
+        with models.engine.gathered(models.actor) as actor:  # the final weights, whole, once
             if accelerator.is_main_process:
-                save(ctx, actor, recipe, sources, record, summary)
+                save(ppo, actor, sources, record, summary)
     return record.manifest
 
 
@@ -132,7 +122,7 @@ def setup(
     record: StageRecord,
     console: Console,
     checkpoint: tuple[Path, list[str]] | None,
-) -> tuple[PPOContext, int]:
+) -> tuple[PPORun, int]:
     """Everything the loop needs, and the iteration to start after (0, or the checkpoint's)."""
     cfg, device, stage_dir = recipe.ppo, accelerator.device, run.stage_dir("ppo")
     # 1. Tokenizer, prompts, and the guide's "common mistakes" caught before training.
@@ -159,41 +149,34 @@ def setup(
         drop_checkpoints(record)
     start = int(state["iteration"])
 
-    # 4. Logs (appended to on resume), the trackers, and the context the loop reads.
+    # 4. Logs (appended to on resume), the trackers, and what the loop holds.
     is_main = accelerator.is_main_process
     accelerator.init_trackers(recipe.run.project, tracker_config(recipe.model_dump(mode="json")))
-    ctx = PPOContext(
-        cfg=cfg,
-        accelerator=accelerator,
-        engine=engine,
-        actor=prepared_actor,
-        reference=reference,
-        scorer=scorer,
-        generator=generator,
-        tokenizer=tokenizer,
-        prompts=prompts,
-        queries=queries,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        kl_ctl=kl_ctl,
-        sampler=sampler,
-        stage_dir=stage_dir,
+    logs = RunLogs(
         writer=MetricsWriter(stage_dir / "metrics.jsonl", is_main, resume=start > 0),
         samples=MetricsWriter(stage_dir / "samples.jsonl", is_main, resume=start > 0),
         console=console,
+        warn=record.warn,
+        log_every=cfg.log_every,
         health=HealthMonitor(state.get("health_seen")),
-        score_moments=score_moments(cfg, state),
-        on_warning=record.warn,
-        inputs=record.manifest["inputs"],
-        audit=_live_audit(recipe, tokenizer, reference, scorer, generator),
-        evaluate=_live_eval(recipe, heldout, reference, scorer, generator),
-        audit_every=recipe.audit.every,
-        audit_kl_step=recipe.audit.kl_coef_step,
-        max_nonfinite=cfg.max_nonfinite,
-        seed=recipe.run.seed,
         history=read_metrics(stage_dir / "metrics.jsonl", through=start),
     )
-    return ctx, start
+    ppo = PPORun(
+        recipe=recipe,
+        accelerator=accelerator,
+        models=Models(engine, prepared_actor, reference, scorer, generator, tokenizer),
+        state=TrainState(optimizer, scheduler, kl_ctl, sampler, score_moments(cfg, state)),
+        hooks=Hooks(
+            audit=_live_audit(recipe, tokenizer, reference, scorer, generator),
+            evaluate=_live_eval(recipe, heldout, reference, scorer, generator),
+        ),
+        logs=logs,
+        prompts=prompts,
+        queries=queries,
+        stage_dir=stage_dir,
+        inputs=record.manifest["inputs"],
+    )
+    return ppo, start
 
 
 Prompts = tuple[list[str], list[list[int]]]  # texts and their token ids
@@ -222,20 +205,19 @@ def prompt_inputs(
 
 
 def save(
-    ctx: PPOContext,
+    ppo: PPORun,
     actor: PolicyAndValue,
-    recipe: Recipe,
     sources: PpoSources,
     record: StageRecord,
     summary: dict[str, Any],
 ) -> None:
     """Final artifacts on the main process, from the whole `actor`: adapter (or model), value
     head, tokenizer."""
-    stage_dir = ctx.stage_dir
-    kind = "adapter" if recipe.model.lora.enabled else "model"
+    stage_dir = ppo.stage_dir
+    kind = "adapter" if ppo.recipe.model.lora.enabled else "model"
     # the weights as the module holds them now (whole; state_dict() would give FSDP2's shards)
     actor.policy.save_pretrained(stage_dir / kind, state_dict=trainable_state(actor.policy))
-    ctx.tokenizer.save_pretrained(stage_dir / "tokenizer")
+    ppo.models.tokenizer.save_pretrained(stage_dir / "tokenizer")
     outputs = {kind: kind, "tokenizer": "tokenizer"}
     if actor.has_values:
         save_file(actor.value_state_dict(), stage_dir / "value_head.safetensors")
@@ -248,7 +230,7 @@ def save(
     }
     record.manifest["base_model"] = sources.base
     record.manifest["reward_model"] = sources.reward
-    record.manifest["metrics"] = {**summary, "kl_coef_now": ctx.kl_ctl.value}
+    record.manifest["metrics"] = {**summary, "kl_coef_now": ppo.state.kl_ctl.value}
 
 
 def adamw(cfg: PpoSection) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
@@ -396,76 +378,6 @@ def score_moments(cfg: PpoSection, state: dict[str, Any]) -> core.RunningMoments
     if state.get("score_moments"):
         moments.load_state_dict(state["score_moments"])
     return moments
-
-
-def build_actor(
-    recipe: Recipe,
-    sources: PpoSources,
-    device: torch.device,
-    scorer: RewardScorer,
-    tokenizer: Any,
-) -> tuple[PolicyAndValue, Reference]:
-    """Policy (+ fresh LoRA), value head or critic (`gae` only), and the reference, dropout off.
-    What trains
-    keeps fp32 master weights (`make_trainable`); frozen weights keep the recipe's dtype. A
-    critic from the reward model (`value_init: reward_model`) needs the policy's `tokenizer`."""
-    cfg = recipe.ppo
-    policy, reference = build_policy(recipe, sources, device)
-    if cfg.advantage_estimator != "gae":  # critic-free: no value model at all
-        actor = PolicyAndValue(policy)
-    elif cfg.value_model == "shared":
-        actor = PolicyAndValue(policy, value_head=zero_value_head(hidden_size_of(policy)))
-    else:
-        from_reward = cfg.value_init == "reward_model"
-        if from_reward and (
-            scorer.tokenizer is None or scorer.tokenizer.get_vocab() != tokenizer.get_vocab()
-        ):
-            raise ModelLoadError(
-                "ppo.value_init: reward_model needs a reward model that shares "
-                "the policy's tokenizer (reward.functions alone have none); use "
-                "value_init: policy"
-            )
-        source = resolve_model_path(sources.reward if from_reward else sources.base)
-        # The critic follows the policy's settings: 4-bit base + LoRA, LoRA, or fp32 weights.
-        backbone = load_backbone(source, recipe.model, device)
-        head = zero_value_head(hidden_size_of(backbone))  # fp32, trained in full
-        if from_reward:
-            head.load_state_dict(_reward_head(scorer.model, sources.reward))
-        set_dropout(backbone, 0.0)
-        actor = PolicyAndValue(policy, critic=ValueModel(backbone, head))
-    return actor.to(device), reference
-
-
-def build_policy(
-    recipe: Recipe, sources: PpoSources, device: torch.device
-) -> tuple[Any, Reference]:
-    """The SFT model made trainable (a fresh LoRA adapter, on 4-bit weights when asked, or all
-    weights in fp32) with dropout off, and its frozen reference: the policy with its adapter
-    disabled, or a frozen copy in the recipe's dtype."""
-    model_cfg, base, adapter = recipe.model, sources.base, sources.sft_adapter
-    full = not model_cfg.lora.enabled  # every weight trains: loaded in fp32
-    sft = load_sft_model(
-        model_cfg.variant(dtype="float32") if full else model_cfg, base, adapter, device
-    )
-    policy = make_trainable(sft, model_cfg, "CAUSAL_LM", no_dropout=True)
-    frozen = load_sft_model(model_cfg, base, adapter, device) if full else None
-    reference = Reference(policy, frozen_copy=frozen)
-    set_dropout(policy, 0.0)
-    return policy, reference
-
-
-def _reward_head(reward_model: Any, reward_path: str) -> dict[str, torch.Tensor]:
-    """The reward model's scalar head, to start a per-token critic from it."""
-    head = getattr(reward_model, "score", None) or getattr(reward_model, "classifier", None)
-    if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
-        raise ModelLoadError(
-            f"reward model '{reward_path}' has no linear 1-logit head to "
-            "initialise the critic from; use ppo.value_init: policy"
-        )
-    return {
-        "weight": head.weight.detach().float(),
-        "bias": head.bias.detach().float() if head.bias is not None else torch.zeros(1),
-    }
 
 
 def check_fit(recipe: Recipe, policy: Any, reward_model: Any, reward_tokenizer: Any) -> None:

@@ -21,12 +21,12 @@ SCRIPT = """
 import json, sys, torch
 from accelerate import Accelerator
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo.trainer import global_sum
+from rlhf_cli.ppo.distributed import global_sum
 
 acc = Accelerator(cpu=True)
 x, values, mask = (torch.tensor(t) for t in json.loads(open(sys.argv[1]).read()))
 mask = mask.bool()
-rows = slice(acc.process_index, None, acc.num_processes)  # sample_batch's strided share
+rows = slice(acc.process_index, None, acc.num_processes)  # prompt_rows' strided share
 reduce_sum = global_sum(acc)
 out = {
     "processes": acc.num_processes,

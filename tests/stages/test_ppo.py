@@ -112,28 +112,28 @@ def test_frozen_models_get_no_gradients(ppo_recipe, pipeline, tmp_path, small_re
     seen: dict[str, Any] = {}
     real_train = stage.train
 
-    def spying_train(ctx, start):
-        actor = ctx.unwrapped
+    def spying_train(ppo, start):
+        actor = ppo.unwrapped
         seen["base"] = {
             n: p.detach().clone() for n, p in actor.policy.named_parameters() if "lora_" not in n
         }
         seen["lora"] = {
             n: p.detach().clone() for n, p in actor.policy.named_parameters() if "lora_" in n
         }
-        seen["rm"] = {n: p.detach().clone() for n, p in ctx.scorer.model.named_parameters()}
+        seen["rm"] = {n: p.detach().clone() for n, p in ppo.models.scorer.model.named_parameters()}
         seen["dropout"] = [
             m.p
-            for m in list(actor.modules()) + list(ctx.scorer.model.modules())
+            for m in list(actor.modules()) + list(ppo.models.scorer.model.modules())
             if isinstance(m, torch.nn.Dropout)
         ]
-        summary = real_train(ctx, start)
-        seen["ctx"] = ctx
+        summary = real_train(ppo, start)
+        seen["ppo"] = ppo
         return summary
 
     monkeypatch.setattr(stage, "train", spying_train)
     run_ppo(ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "iterations": 3}), QUIET)
-    actor = seen["ctx"].unwrapped
-    assert seen["ctx"].optimizer.param_groups[0]["eps"] == 1e-5  # ppo.adam_eps default
+    actor = seen["ppo"].unwrapped
+    assert seen["ppo"].state.optimizer.param_groups[0]["eps"] == 1e-5  # ppo.adam_eps default
     assert seen["dropout"] and all(p == 0.0 for p in seen["dropout"])
     for name, param in actor.policy.named_parameters():
         if "lora_" in name:
@@ -146,7 +146,7 @@ def test_frozen_models_get_no_gradients(ppo_recipe, pipeline, tmp_path, small_re
         if "lora_" in n
     )
     assert torch.count_nonzero(actor.value_head.weight) > 0  # started at zero, trained
-    for name, param in seen["ctx"].scorer.model.named_parameters():
+    for name, param in seen["ppo"].models.scorer.model.named_parameters():
         assert not param.requires_grad and param.grad is None
         assert torch.equal(param, seen["rm"][name]), name
 

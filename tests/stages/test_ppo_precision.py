@@ -13,8 +13,9 @@ import pytest
 import torch
 import yaml
 
+from rlhf_cli.ppo.models import PpoSources, build_actor
 from rlhf_cli.recipe import Recipe, parse_recipe
-from rlhf_cli.stages.ppo import PpoSources, adamw, build_actor
+from rlhf_cli.stages.ppo import adamw
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")

@@ -6,8 +6,8 @@ the same final adapter; a sharded run resumes to the numbers of an uninterrupted
 The recipe samples (the tiny recipe's top-p 0.9), updates on two mini-batches per optimizer step
 (accumulation) for two epochs. Tolerance: each rollout row samples from its own seed
 (`generation.SeededGumbel`), so both layouts generate the same responses; the update splits the
-same global mini-batches over the processes (`trainer.minibatch_rows`) and weights each
-process's loss by its share of the tokens (`trainer.token_share`), so what remains is float32
+same global mini-batches over the processes (`distributed.minibatch_rows`) and weights each
+process's loss by its share of the tokens (`distributed.token_share`), so what remains is float32
 summation order (about 1e-7 relative per reduction). rtol 1e-4 / atol 1e-5 is the tolerance the
 one-process resume test uses, and far below what a wrong reduction gives (a per-process token
 mean moved grad_norm by 4% here).

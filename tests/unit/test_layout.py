@@ -145,3 +145,20 @@ def long_functions() -> list[str]:
 
 def test_no_function_is_too_long_to_read_at_once():
     assert long_functions() == []
+
+
+def test_the_estimator_is_chosen_from_the_table_alone():
+    """`ppo.advantage_estimator` is compared with a name only where the recipe validates it;
+    everything else looks the name up in `ppo/estimators.py: ESTIMATORS`."""
+    found = []
+    for name, path in _modules().items():
+        if name in ("rlhf_cli.recipe", "rlhf_cli.ppo.estimators"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(
+                    isinstance(s, ast.Attribute) and s.attr == "advantage_estimator" for s in sides
+                ):
+                    found.append(f"{name}:{node.lineno}")
+    assert found == []

@@ -126,8 +126,8 @@ def test_entropy_enters_the_graph_only_when_it_is_in_the_loss(llama_config, entr
     not kept for a backward pass that would multiply it by 0."""
     from rlhf_cli.generation import HFGenerator
     from rlhf_cli.modeling import Reference, load_tokenizer
+    from rlhf_cli.ppo.loop import minibatch_loss
     from rlhf_cli.ppo.rollout import collect_rollout
-    from rlhf_cli.ppo.trainer import minibatch_loss
     from rlhf_cli.recipe import GenerationSection, PpoSection
 
     tokenizer = load_tokenizer("builtin:tiny-lm")
@@ -166,7 +166,7 @@ def test_entropy_enters_the_graph_only_when_it_is_in_the_loss(llama_config, entr
 
 @pytest.mark.parametrize("batch, mini", [(32, 8), (16, 4), (8, 8), (12, 4)])
 def test_minibatches_are_the_same_global_rows_for_any_number_of_processes(batch, mini):
-    from rlhf_cli.ppo.trainer import minibatch_rows
+    from rlhf_cli.ppo.distributed import minibatch_rows
 
     def global_rows(world: int) -> list[list[int]]:
         shares = [
@@ -205,7 +205,7 @@ def test_group_advantages_see_every_member_whichever_process_holds_it():
     from types import SimpleNamespace
 
     from rlhf_cli.ppo.core import leave_one_out_advantages
-    from rlhf_cli.ppo.trainer import global_rows
+    from rlhf_cli.ppo.distributed import global_rows
 
     scores = torch.tensor([1.0, 2.0, 3.0, 6.0])  # groups (1, 2) and (3, 6)
     mine, theirs = scores[1::2], scores[0::2]  # rank 1 holds rows 1 and 3

@@ -374,10 +374,10 @@ def test_a_repeat_signal_from_a_launcher_is_the_same_ctrl_c(monkeypatch) -> None
     monkeypatch.setattr(rundir.time, "monotonic", lambda: clock[0])
     with rundir.graceful_stop(Console(quiet=True), "step") as flag:
         os.kill(os.getpid(), signal.SIGINT)
-        assert flag["stop"]
+        assert flag.requested
         clock[0] += rundir.REPEAT_S / 2
         os.kill(os.getpid(), signal.SIGTERM)  # forwarded: ignored
-        flag["saved"] = "checkpoint-4 (step 4)"
+        flag.saved = "checkpoint-4 (step 4)"
         clock[0] += rundir.REPEAT_S
         with pytest.raises(
             KeyboardInterrupt, match=r"newest checkpoint is checkpoint-4 \(step 4\)"

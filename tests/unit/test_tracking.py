@@ -278,13 +278,13 @@ def test_the_stage_callback_stops_after_the_step_of_a_signal(tmp_path):
     assert not (control.should_save or control.should_training_stop or callback.stopping)
     assert not control.should_log
     assert _step(callback, 2, save=True)[2].should_log  # a periodic checkpoint's step is logged
-    callback.flag["stop"] = True
+    callback.flag.requested = True
     args, state, control = _step(callback, 4)
     assert callback.stopping and control.should_save and control.should_training_stop
     assert control.should_log  # the stop's checkpoint ends a loss window too
     callback.on_log(args, state, control, logs={"loss": 1.5})  # the stop step's own log: kept
     callback.on_save(args, state, control)
-    assert callback.flag["saved"] == "checkpoint-4 (step 4)" and callback.closed
+    assert callback.flag.saved == "checkpoint-4 (step 4)" and callback.closed
     callback.on_epoch_end(args, state, control)
     assert not control.should_evaluate
     callback.on_log(args, state, control, logs={"train_loss": 1.0})  # the summary: dropped
@@ -292,7 +292,7 @@ def test_the_stage_callback_stops_after_the_step_of_a_signal(tmp_path):
     assert [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1.5]
 
     last = StageCallback(Console(quiet=True), "sft")
-    last.flag["stop"] = True
+    last.flag.requested = True
     _, _, control = _step(last, 10, save=True)  # its end-of-training save, set before ours
     assert not (control.should_save or control.should_training_stop or last.stopping)
 

@@ -1,0 +1,114 @@
+"""How the loop's batch is spread over processes, and the collectives that make every statistic
+the global batch's: a run on N processes takes the optimiser steps of one process on the whole
+batch (tests/stages/test_sharded_ppo.py checks it under DDP, FSDP2 and ZeRO).
+
+Process `rank` of `world` holds rows rank, rank + world, ... of the global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhf_cli.ppo import core
+
+GlobalRows = Callable[[Callable[[Tensor], Tensor], Tensor], Tensor]
+
+
+def prompt_rows(
+    acc: Any, pool: int, batch_size: int, num_generations: int, sampler: torch.Generator
+) -> list[int]:
+    """This process's share of `batch_size` prompt indices into a pool of `pool` (the same
+    draw on every process): batch_size / k prompts, each on k = `num_generations` consecutive
+    rows (a group)."""
+    n = batch_size // num_generations
+    draws: list[int] = []
+    while len(draws) < n:  # epochs over the prompt pool when it is smaller than a batch
+        draws.extend(torch.randperm(pool, generator=sampler).tolist())
+    rows = [i for i in draws[:n] for _ in range(num_generations)]
+    return rows[acc.process_index :: acc.num_processes]
+
+
+def global_sum(acc: Any) -> core.Reducer:
+    """Sums over every process (an all-reduce), so whitening and statistics are those of the
+    global batch; None on one process."""
+    if acc.num_processes == 1:
+        return None
+    return lambda t: acc.reduce(t.to(acc.device).contiguous(), "sum").to(t.device)
+
+
+def global_rows(acc: Any) -> GlobalRows:
+    """`apply(fn, local)`: `fn` on the global batch's rows in order, and this process's rows of
+    the result: how a group statistic sees every member of a group, wherever it was
+    generated."""
+    world, rank = acc.num_processes, acc.process_index
+
+    def apply(fn: Callable[[Tensor], Tensor], local: Tensor) -> Tensor:
+        if world == 1:
+            return fn(local)
+        gathered = acc.gather(local.to(acc.device).contiguous()).view(world, -1)
+        out = fn(gathered.t().reshape(-1)).view(-1, world)
+        return out[:, rank].to(local.device)
+
+    return apply
+
+
+def minibatch_rows(
+    batch_size: int, mini_batch_size: int, world: int, rank: int, generator: torch.Generator
+) -> list[Tensor]:
+    """This process's rows (indices into its share of the batch) of each mini-batch of one
+    epoch, in order.
+
+    Global mini-batch k takes one row of each residue class modulo `mini_batch_size`, every
+    class's rows in a random order (`generator` draws alike on every process). The rows were
+    drawn in random order (`prompt_rows`), so this is as good as a uniform reshuffle; and it
+    splits every mini-batch into the same rows, evenly, for any number of processes dividing
+    `mini_batch_size`: N processes take the optimiser steps of one."""
+    groups = batch_size // mini_batch_size
+    order = torch.stack(
+        [torch.randperm(groups, generator=generator) for _ in range(mini_batch_size)], dim=1
+    )
+    rows = order * mini_batch_size + torch.arange(mini_batch_size)  # (groups, mb), global
+    return [r[r % world == rank] // world for r in rows]
+
+
+def token_share(acc: Any, loss: Tensor, mask: Tensor) -> tuple[float, bool]:
+    """(this process's share of the global mini-batch's response tokens times the number of
+    processes, whether every process's loss is finite): one all-reduce.
+
+    A loss that is a mean over this process's tokens, multiplied by the share, averages over
+    the processes (as DDP, DeepSpeed and FSDP average gradients) to the mean over all the
+    mini-batch's tokens: the loss and gradient one process would compute on the whole
+    mini-batch, whatever the split of tokens between processes."""
+    local = mask.sum().float().to(acc.device)
+    nonfinite = (~torch.isfinite(loss.detach())).float().to(acc.device)
+    tokens, bad = acc.reduce(torch.stack([local, nonfinite]), "sum").tolist()
+    return float(local) * acc.num_processes / max(tokens, 1.0), bad == 0
+
+
+def gather_mean_std(acc: Any, x: Tensor) -> tuple[float, float]:
+    """Mean and standard deviation of `x` over every process's rows."""
+    allx = acc.gather(x.float().contiguous())
+    return float(allx.mean()), float(allx.std()) if allx.numel() > 1 else 0.0
+
+
+def global_max(acc: Any, values: dict[str, float]) -> dict[str, float]:
+    """Each value's maximum over the processes (one all-reduce): the slowest process sets the
+    pace."""
+    maxima = acc.reduce(torch.tensor(list(values.values()), device=acc.device), "max")
+    return dict(zip(values, maxima.tolist(), strict=True))
+
+
+def any_process(acc: Any, flag: bool) -> bool:
+    """Whether `flag` holds on any process (every process must call it)."""
+    return bool(acc.reduce(torch.tensor(float(flag), device=acc.device), "max").item())
+
+
+def scalar(x: Any) -> float:
+    """A gradient norm as a float: a tensor, a DTensor (FSDP2) or DeepSpeed's float."""
+    if hasattr(x, "full_tensor"):
+        x = x.full_tensor()
+    return float(x) if x is not None else float("nan")

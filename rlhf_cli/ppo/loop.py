@@ -1,0 +1,245 @@
+"""The PPO loop, top to bottom: `train` runs iterations; `run_iteration` is rollout, advantages,
+update, β; `ppo_update` is K epochs of mini-batch optimiser steps; `minibatch_loss` is the
+guide's loss (clipped surrogate, clipped value loss, entropy bonus); `advantages_of` is the
+KL-shaped reward and the estimator's advantages. The maths is in core.py and estimators.py; how
+the batch is spread over processes in distributed.py; what is logged in logs.py; what the loop
+holds, checkpoints, the live audit and the held-out evaluation in run.py.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from rlhf_cli.errors import NonFiniteError
+from rlhf_cli.generation import response_logprobs, row_seed, score_temperature
+from rlhf_cli.ppo import core
+from rlhf_cli.ppo.distributed import (
+    any_process,
+    global_max,
+    global_rows,
+    global_sum,
+    minibatch_rows,
+    prompt_rows,
+    scalar,
+    token_share,
+)
+from rlhf_cli.ppo.estimators import Batch, GlobalRows, estimator
+from rlhf_cli.ppo.logs import finite, iteration_metrics, progress_info, summarize
+from rlhf_cli.ppo.rollout import Rollout, collect_rollout, logprob_mismatch
+from rlhf_cli.ppo.run import PPORun, checkpoint, heldout_eval, live_audit
+from rlhf_cli.recipe import PpoSection
+from rlhf_cli.rundir import graceful_stop
+from rlhf_cli.tracking import make_progress
+
+
+def train(run: PPORun, start_iteration: int = 0) -> dict[str, Any]:
+    """Run iterations `start_iteration+1 .. ppo.iterations`; return a summary. Ctrl-C or
+    SIGTERM finishes the iteration and checkpoints; divergence checkpoints and raises."""
+    cfg, acc, logs = run.recipe.ppo, run.accelerator, run.logs
+    progress = make_progress(logs.console)
+    nonfinite_streak = 0
+    with graceful_stop(logs.console, "iteration") as stop, progress:
+        task = progress.add_task("ppo", total=cfg.iterations, completed=start_iteration, info="")
+        for iteration in range(start_iteration + 1, cfg.iterations + 1):
+            metrics, rollout, kl = run_iteration(run, iteration)
+            nonfinite_streak = 0 if finite(metrics) else nonfinite_streak + 1
+            metrics.update(live_audit(run, iteration))
+            metrics.update(heldout_eval(run, iteration))
+            logs.history.append(metrics)
+            if acc.is_main_process:
+                logs.record(acc, iteration, metrics, rollout, kl)
+            progress.update(task, completed=iteration, info=progress_info(metrics))
+            if nonfinite_streak >= cfg.max_nonfinite:
+                checkpoint(run, iteration)
+                raise NonFiniteError(
+                    f"{nonfinite_streak} iterations in a row had non-finite rewards or losses; "
+                    "a checkpoint of the last state was written. The guide's fixes: reduce "
+                    "ppo.learning_rate, raise ppo.init_kl_coef, check the reward model's scores"
+                )
+            stop_now = any_process(acc, stop.requested)
+            if iteration % cfg.save_freq == 0 or iteration == cfg.iterations or stop_now:
+                stop.saved = f"{checkpoint(run, iteration).name} (iteration {iteration})"
+            if stop_now:
+                raise KeyboardInterrupt(f"checkpoint {stop.saved} saved")
+    return summarize(logs.history)
+
+
+def run_iteration(run: PPORun, iteration: int) -> tuple[dict[str, float], Rollout, torch.Tensor]:
+    """One PPO iteration: rollout, advantages, K epochs of updates, β update. Returns the
+    iteration's metrics, its rollout and the per-token KL (b, r) the rewards were shaped with."""
+    cfg, acc, models, state = run.recipe.ppo, run.accelerator, run.models, run.state
+    t0 = time.perf_counter()
+    # 1. Rollout: this process's prompts, answers (each row from its own seed), scores, old
+    #    log-probs, values, reference log-probs; in the precision of the update's forward.
+    index = prompt_rows(acc, len(run.prompts), cfg.batch_size, cfg.num_generations, state.sampler)
+    rows = range(acc.process_index, cfg.batch_size, acc.num_processes)  # global batch rows
+    with acc.autocast(), models.engine.gathered(models.actor) as actor:
+        models.generator.sync(actor.policy)  # a separate engine (vLLM) gets the latest weights
+        rollout = collect_rollout(
+            actor,
+            models.reference,
+            models.scorer,
+            models.generator,
+            [run.prompts[i] for i in index],
+            [run.queries[i] for i in index],
+            cfg,
+            state.score_moments,
+            lambda x: acc.gather(x.to(acc.device)).cpu(),
+            seeds=[row_seed(run.recipe.run.seed, iteration, row) for row in rows],
+        )
+    # 2. Advantages from KL-shaped rewards (β as it stands at this iteration).
+    kl_coef = state.kl_ctl.value
+    rewards, kl, advantages, returns = advantages_of(
+        rollout, kl_coef, cfg, global_sum(acc), global_rows(acc)
+    )
+    # 3. Update: K epochs over shuffled mini-batches.
+    t_update = time.perf_counter()
+    stats = ppo_update(run, rollout, advantages, returns, kl_coef)
+    update_s = time.perf_counter() - t_update
+    # 4. β moves once per iteration, toward the target KL.
+    critic = estimator(cfg.advantage_estimator).needs_critic
+    metrics = iteration_metrics(
+        acc, rollout, kl, rewards, returns if critic else None, kl_coef, stats
+    )
+    if math.isfinite(metrics["objective/kl"]):
+        state.kl_ctl.update(metrics["objective/kl"], cfg.batch_size)
+    n_tokens = float(acc.reduce(rollout.response_mask.sum().float(), "sum"))
+    slowest = {
+        **rollout.timings,
+        "time/update_s": update_s,
+        "time/iteration_s": time.perf_counter() - t0,
+        "rollout/logprob_mismatch": logprob_mismatch(rollout),
+    }
+    metrics.update(global_max(acc, slowest))  # the slowest process sets the pace
+    metrics["tokens/generated_per_s"] = n_tokens / metrics["time/rollout_s"]
+    metrics["iteration"] = iteration
+    return metrics, rollout, kl
+
+
+def ppo_update(
+    run: PPORun,
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    kl_coef: float = 0.0,
+) -> dict[str, float]:
+    """`ppo_epochs` passes over shuffled mini-batches; one optimizer step per
+    `gradient_accumulation_steps` mini-batches (accelerate's `accumulate`, which drives
+    DeepSpeed's boundary too); non-finite losses skip their mini-batch on every process.
+    train() mode (gradient checkpointing needs it); dropout is 0 in every module (set at load).
+    Logged parts are token means over the global mini-batch."""
+    cfg, acc, actor, state = run.recipe.ppo, run.accelerator, run.models.actor, run.state
+    actor.train()
+    stats: dict[str, list[float]] = defaultdict(list)
+    params = [p for group in state.optimizer.param_groups for p in group["params"]]
+    acc.step = 0  # accumulation windows start with each iteration's update
+    skipped = 0
+    for _ in range(cfg.ppo_epochs):
+        shares = minibatch_rows(
+            cfg.batch_size, cfg.mini_batch_size, acc.num_processes, acc.process_index,
+            state.sampler,
+        )  # fmt: skip
+        for idx in shares:
+            with acc.accumulate(actor):
+                loss, parts = minibatch_loss(cfg, actor, rollout, idx, advantages, returns, kl_coef)
+                share, all_finite = token_share(acc, loss, rollout.response_mask[idx])
+                if not all_finite:  # every process agrees, or the collectives would hang
+                    skipped += 1
+                    continue
+                acc.backward(loss * share)
+                if acc.sync_gradients:
+                    stats["grad_norm"].append(
+                        scalar(acc.clip_grad_norm_(params, cfg.max_grad_norm))
+                    )
+                    state.optimizer.step()
+                    state.scheduler.step()
+                    state.optimizer.zero_grad(set_to_none=True)
+            for key, value in parts.items():
+                stats[key].append(value.item() * share)
+    out = {k: sum(v) / len(v) for k, v in stats.items() if v}
+    out["ppo/optimizer_steps"] = float(len(stats["grad_norm"]))
+    out["ppo/skipped_minibatches"] = float(skipped)
+    return out
+
+
+def minibatch_loss(
+    cfg: PpoSection,
+    actor: Any,
+    rollout: Rollout,
+    idx: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The PPO loss of rollouts `idx` (b_mb of them) under the current policy, and its parts,
+    each a mean over this process's response tokens: the clipped surrogate, the clipped value
+    loss (with a critic), the entropy bonus, and with `kl_in: loss` β × the KL estimate to the
+    reference (differentiable, GRPO's placement).
+
+    Log-probs are those of the sampled distribution (generation.response_logprobs). The entropy
+    bonus stays out of the autograd graph when its coefficient is 0: at a 32k vocabulary it
+    would keep a (b_mb, r, vocab) tensor alive for nothing."""
+    batch = rollout.select(idx)
+    mask = batch["response_mask"]
+    logits, values = actor(batch["input_ids"], batch["attention_mask"], mask.shape[1])
+    logprobs = response_logprobs(logits, batch["response_ids"], cfg.generation)
+    old, sampled, cap = rollout.logprobs[idx], rollout.sampler_logprobs, cfg.generation.tis_cap
+    weights = None  # truncated importance sampling against the rollout engine's numerics
+    if cap is not None and sampled is not None:
+        weights = core.tis_weights(old, sampled[idx].to(old.device), cap)
+    pg_loss, clipfrac = core.ppo_policy_loss(
+        logprobs, old, advantages[idx], mask, cfg.cliprange, weights
+    )
+    with nullcontext() if cfg.entropy_coef > 0 else torch.no_grad():
+        scaled = logits.float() / score_temperature(cfg.generation)  # the full distribution
+        entropy = core.masked_mean(core.entropy_from_logits(scaled), mask)
+    loss = pg_loss - cfg.entropy_coef * entropy
+    parts = {
+        "ppo/loss/policy": pg_loss,
+        "objective/clipfrac": clipfrac,
+        "ppo/policy/entropy": entropy,
+        "ppo/policy/approxkl": core.approx_kl(logprobs, old, mask),
+    }
+    if estimator(cfg.advantage_estimator).needs_critic:
+        vf_loss, parts["ppo/val/clipfrac"] = core.ppo_value_loss(
+            values, rollout.values[idx], returns[idx], mask, cfg.cliprange_value
+        )
+        loss = loss + cfg.vf_coef * vf_loss
+        parts["ppo/loss/value"] = vf_loss
+    if cfg.kl_in == "loss":
+        ref = rollout.ref_logprobs[idx]
+        kl_loss = core.masked_mean(core.kl_estimate(logprobs, ref, mask, cfg.kl_estimator), mask)
+        loss = loss + kl_coef * kl_loss
+        parts["ppo/loss/kl"] = kl_loss
+    parts["ppo/loss/total"] = loss
+    return loss, parts
+
+
+def advantages_of(
+    rollout: Rollout,
+    kl_coef: float,
+    cfg: PpoSection,
+    reduce_sum: core.Reducer = None,
+    across: GlobalRows = lambda fn, x: fn(x),
+) -> tuple[torch.Tensor, ...]:
+    """Per-token rewards (the score on the last token, minus β × the KL estimate per token when
+    `kl_in: reward`, whitened when `whiten_rewards`), then the estimator's advantages
+    (estimators.py). Statistics are the global batch's (`reduce_sum` sums over processes,
+    `across` sees every row). Returns (rewards, k1 KL per token, advantages, returns); returns
+    are 0 without a critic."""
+    mask = rollout.response_mask
+    beta = kl_coef if cfg.kl_in == "reward" else 0.0
+    rewards, kl = core.kl_penalized_rewards(
+        rollout.scores, rollout.logprobs, rollout.ref_logprobs, mask, beta, cfg.kl_estimator
+    )
+    if cfg.whiten_rewards:
+        rewards = core.masked_whiten(rewards, mask, shift_mean=False, reduce_sum=reduce_sum)
+    batch = Batch(rewards, rollout.values, mask)
+    advantages, returns = estimator(cfg.advantage_estimator).fn(batch, cfg, reduce_sum, across)
+    return rewards, kl, advantages, returns

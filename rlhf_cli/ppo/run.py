@@ -1,0 +1,137 @@
+"""What the PPO loop holds (`PPORun`: the recipe and a few typed parts) and what happens around
+an iteration: checkpoints, the live audit (`audit.every`), the held-out evaluation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_cli.errors import CheckpointWriteError, write_remedy
+from rlhf_cli.generation import Generator
+from rlhf_cli.modeling import Reference
+from rlhf_cli.ppo import core
+from rlhf_cli.ppo.checkpoint import save_checkpoint
+from rlhf_cli.ppo.distributed import any_process
+from rlhf_cli.ppo.logs import RunLogs
+from rlhf_cli.ppo.models import PolicyAndValue
+from rlhf_cli.ppo.sharding import Engine
+from rlhf_cli.recipe import Recipe
+from rlhf_cli.scoring import RewardScorer
+
+
+@dataclass
+class Models:
+    engine: Engine  # how the actor is spread over the processes
+    actor: Any  # PolicyAndValue, as the engine wrapped it (DDP, DeepSpeed) or sharded it (FSDP2)
+    reference: Reference
+    scorer: RewardScorer
+    generator: Generator
+    tokenizer: Any  # the policy's
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint saves and `--resume` restores, with `RunLogs.health`."""
+
+    optimizer: Any
+    scheduler: Any
+    kl_ctl: Any  # core.AdaptiveKLController or FixedKLController
+    sampler: torch.Generator  # prompt draws and mini-batch shuffles, alike on every process
+    score_moments: core.RunningMoments | None  # `ppo.score_norm`
+
+
+@dataclass
+class Hooks:
+    """The live audit (`audit.every`) and held-out evaluation, each on the whole actor."""
+
+    audit: Callable[[PolicyAndValue], dict[str, Any]] | None
+    evaluate: Callable[[PolicyAndValue], dict[str, float]] | None
+
+
+@dataclass
+class PPORun:
+    """Everything the loop touches; built by stages/ppo.py."""
+
+    recipe: Recipe
+    accelerator: Any
+    models: Models
+    state: TrainState
+    hooks: Hooks
+    logs: RunLogs
+    prompts: list[str]
+    queries: list[list[int]]  # their token ids
+    stage_dir: Path
+    inputs: dict[str, Any]  # the stages trained on (the manifest's)
+
+    @property
+    def unwrapped(self) -> PolicyAndValue:
+        return self.accelerator.unwrap_model(self.models.actor)
+
+
+def checkpoint(run: PPORun, iteration: int) -> Path:
+    """Every process writes its part (`checkpoint.save_checkpoint`)."""
+    state, root = run.state, run.stage_dir / "checkpoints"
+    try:
+        return save_checkpoint(
+            root,
+            iteration,
+            engine=run.models.engine,
+            actor=run.models.actor,
+            optimizer=state.optimizer,
+            scheduler=state.scheduler,
+            kl_ctl=state.kl_ctl,
+            sampler=state.sampler,
+            extra={
+                "inputs": run.inputs,  # what the weights fit: `--resume` and audit check it
+                "health_seen": sorted(run.logs.health.seen),
+                "score_moments": state.score_moments and state.score_moments.state_dict(),
+            },
+        )
+    except OSError as exc:
+        previous = sorted(p.name for p in root.glob("iter_*"))
+        raise CheckpointWriteError(
+            f"writing checkpoint iter_{iteration:05d} failed ({exc.strerror or exc}); "
+            f"the previous checkpoint ({previous[-1] if previous else 'none'}) is intact and "
+            f"the manifest records this failure: {write_remedy(exc)}, then `rlhf ppo --resume`"
+        ) from None
+
+
+def live_audit(run: PPORun, iteration: int) -> dict[str, float]:
+    """The in-training audit every `audit.every` iterations: its rates go into metrics.jsonl,
+    and when it flags hacking β is raised by `audit.kl_coef_step` (on every process). Every
+    process audits (the members of a tensor-parallel vLLM engine sample together); the main
+    process's report counts."""
+    every, acc = run.recipe.audit.every, run.accelerator
+    if run.hooks.audit is None or not every or iteration % every:
+        return {}
+    with run.models.engine.gathered(run.models.actor) as actor:  # every process joins
+        report = run.hooks.audit(actor)
+    if not acc.is_main_process:
+        report = None
+    flagged = any_process(acc, bool(report and report["hacking_detected"]))
+    if flagged:
+        run.state.kl_ctl.raise_by(run.recipe.audit.kl_coef_step)
+    if report is None:
+        return {}
+    if flagged:
+        run.logs.warn(
+            f"iteration {iteration}: the audit flagged {', '.join(report['flags'])}; "
+            f"β raised to {run.state.kl_ctl.value:.4f}"
+        )
+    keys = ("verbosity_score", "sycophancy_score", "repetition_score", "avg_response_len")
+    return {**{f"audit/{k}": float(report[k]) for k in keys}, "audit/hacking_detected": flagged}
+
+
+def heldout_eval(run: PPORun, iteration: int) -> dict[str, float]:
+    """The held-out evaluation, every `ppo.eval_every` iterations and at the last one. Every
+    process evaluates (as the audit does); the main process's numbers are logged."""
+    every, last = run.recipe.ppo.eval_every, iteration == run.recipe.ppo.iterations
+    if run.hooks.evaluate is None or not (last or (every and iteration % every == 0)):
+        return {}
+    with run.accelerator.autocast(), run.models.engine.gathered(run.models.actor) as actor:
+        metrics = run.hooks.evaluate(actor)
+    return metrics if run.accelerator.is_main_process else {}
