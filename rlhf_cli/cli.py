@@ -72,7 +72,7 @@ RecipeOpt = Annotated[
     typer.Option(
         "--recipe",
         "-r",
-        help="Recipe YAML. Default: the latest run's recipe, else recipes/tiny.yaml.",
+        help="Recipe YAML. Default: the latest run's recipe; recipes/tiny.yaml when no run exists.",
     ),
 ]
 SetOpt = Annotated[

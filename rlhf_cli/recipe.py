@@ -276,25 +276,30 @@ class DataSection(Section):
 # ── stage sections ──────────────────────────────────────────────────────────────────────────────
 
 
-class SftSection(Section):
-    enabled: bool = _f(True, "False when `model.name_or_path` is already instruction-tuned.")
+class TrainerSection(Section):
+    """What the two TRL-trained stages (`sft`, `reward`) share."""
+
     learning_rate: float = _f(2e-4, "AdamW learning rate.", gt=0.0)
-    epochs: float = _f(1.0, "Passes over the SFT data.", gt=0.0)
-    batch_size: int = _f(8, "Per-device batch size.", gt=0)
+    epochs: float = _f(1.0, "Passes over the stage's data.", gt=0.0)
+    batch_size: int = _f(8, "Per-device batch size (examples, or preference pairs).", gt=0)
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimiser step.", gt=0)
-    max_length: int = _f(1024, "Truncate tokenised examples to this length.", gt=0)
-    warmup_ratio: float = _f(0.03, "Share of steps with linear warm-up.", ge=0.0, lt=1.0)
     logging_steps: int = _f(
         10, "Log training loss every N optimiser steps, and at every checkpoint.", gt=0
     )
     save_steps: int = _f(
         500,
-        "Write a resumable checkpoint (`sft/checkpoints/checkpoint-N`: weights, optimizer, "
-        "scheduler, RNG) every N optimiser steps, keeping the newest two; Ctrl-C and SIGTERM "
-        "write one too, and `--resume` continues from the newest. 0: only on Ctrl-C. A "
-        "completed stage removes them.",
+        "Write a resumable checkpoint (`<stage>/checkpoints/checkpoint-N`, stage `sft` or "
+        "`rm`: weights, optimizer, scheduler, RNG) every N optimiser steps, keeping the newest "
+        "two; Ctrl-C and SIGTERM write one too, and `--resume` continues from the newest. 0: "
+        "only on Ctrl-C. A completed stage removes them.",
         ge=0,
     )
+
+
+class SftSection(TrainerSection):
+    enabled: bool = _f(True, "False when `model.name_or_path` is already instruction-tuned.")
+    max_length: int = _f(1024, "Truncate tokenised examples to this length.", gt=0)
+    warmup_ratio: float = _f(0.03, "Share of steps with linear warm-up.", ge=0.0, lt=1.0)
     full_finetune: bool = _f(
         False, "Train and save all weights instead of a LoRA adapter (for tiny or small models)."
     )
@@ -325,7 +330,7 @@ class RewardFunctionSpec(Section):
         return value
 
 
-class RewardSection(Section):
+class RewardSection(TrainerSection):
     pretrained: str | None = _f(
         None, "A frozen, already-trained reward model; when set, `train-rm` is skipped."
     )
@@ -342,19 +347,7 @@ class RewardSection(Section):
     max_length: int = _f(
         512, "Reward tokenizer max length; longer texts are truncated and counted.", gt=0
     )
-    learning_rate: float = _f(5e-5, "AdamW learning rate for reward training.", gt=0.0)
-    epochs: float = _f(1.0, "Passes over the preference pairs.", gt=0.0)
-    batch_size: int = _f(8, "Pairs per device batch.", gt=0)
-    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimiser step.", gt=0)
-    logging_steps: int = _f(10, "Log every N optimiser steps, and at every checkpoint.", gt=0)
-    save_steps: int = _f(
-        500,
-        "Write a resumable checkpoint (`rm/checkpoints/checkpoint-N`: weights, optimizer, "
-        "scheduler, RNG) every N optimiser steps, keeping the newest two; Ctrl-C and SIGTERM "
-        "write one too, and `--resume` continues from the newest. 0: only on Ctrl-C. A "
-        "completed stage removes them.",
-        ge=0,
-    )
+    learning_rate: float = _f(5e-5, "AdamW learning rate.", gt=0.0)
     lora: LoraSection = _f(LoraSection(enabled=False), "LoRA for the reward backbone (off: full).")
     score_batch_size: int = _f(16, "Texts per reward forward pass during PPO and audit.", gt=0)
     functions: list[RewardFunctionSpec] = _f(

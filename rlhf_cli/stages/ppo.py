@@ -1,5 +1,5 @@
-"""Stage 4 of the guide: PPO alignment. Our own, on torch + transformers + peft + accelerate
-(TRL 1.x has no PPO trainer).
+"""Stage 3 of 4 (the guide's stage 4): PPO alignment. Our own, on torch + transformers + peft +
+accelerate (TRL 1.x has no PPO trainer).
 
 Four models: the policy (the SFT model with a fresh LoRA adapter), the value head on its backbone
 (or a separate critic), the frozen reward model, and the frozen reference (the policy with its

@@ -1,4 +1,5 @@
-"""Stage 3 of the guide: a reward model from preference pairs, with TRL's RewardTrainer.
+"""Stage 2 of 4 (the guide's stage 3): a reward model from preference pairs, with TRL's
+RewardTrainer.
 
 Pairs are pre-tokenised here (`chosen_ids` / `rejected_ids`) through `reward.template`, the same
 text PPO scores later, truncated to `reward.max_length` with the count reported. TRL then skips

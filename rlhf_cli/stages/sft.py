@@ -1,4 +1,5 @@
-"""Stage 2 of the guide: supervised fine-tuning with TRL's SFTTrainer (LoRA, 4-bit when asked)."""
+"""Stage 1 of 4 (the guide's stage 2): supervised fine-tuning with TRL's SFTTrainer (LoRA,
+4-bit when asked)."""
 
 from __future__ import annotations
 
