@@ -105,7 +105,8 @@ class VLLMGenerator:
         self, queries: list[list[int]], gen: GenerationSection, seeds: list[int] | None = None
     ) -> Generations:
         """Answers to `queries` as `HFGenerator.generate` returns them (left-padded queries,
-        responses padded after each stop), with the engine's log-probs."""
+        responses padded after each stop), with the engine's log-probs; every tensor on
+        `device`, built and decoded on the CPU first."""
         asked, mine = self._together(queries)
         row_seeds = self._together(seeds if seeds is not None else [None] * len(queries))[0]
         outputs = self.llm.generate(
@@ -115,6 +116,10 @@ class VLLMGenerator:
         )[mine]
         if self.sleeps:  # the update gets the KV cache's memory back
             self.llm.sleep(level=1)
+        return self._answers(queries, outputs).to(self.device)
+
+    def _answers(self, queries: list[list[int]], outputs: list[Any]) -> Generations:
+        """vLLM's `RequestOutput`s of `queries` as `Generations`, on the CPU."""
         pad_id = self.tokenizer.pad_token_id
         query_ids, query_mask = left_pad(queries, pad_id, torch.device("cpu"))
         tokens = [list(o.outputs[0].token_ids) or [pad_id] for o in outputs]
