@@ -432,8 +432,9 @@ class GenerationSection(Section):
     )
     vllm_sleep: bool = _f(
         False,
-        "Release the vLLM engine's KV cache (sleep level 1) while the update runs, and wake it "
-        "before the next rollout. CUDA only.",
+        "Put the vLLM engine to sleep (level 1: weights offloaded to the CPU, KV cache "
+        "released) after every batch it generates, and wake it before the next one and before "
+        "a weight sync: the update gets its GPU memory. CUDA only.",
     )
     tis_cap: float | None = _f(
         None,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,14 +86,15 @@ class VLLMGenerator:
     tokenizer: Any
     stop_ids: list[int]
     device: torch.device  # where the returned tensors go (the policy's)
-    sleeps: bool = False  # `vllm_sleep`: the KV cache is released between rollouts
+    sleeps: bool = False  # `vllm_sleep`: asleep (level 1) after every `generate`
     group: Any = None  # the processes sharing this engine (tensor parallel), if more than one
+    asleep: bool = field(default=False, init=False)  # since its last `sleep`, until `wake_up`
 
     def sync(self, model: Any) -> None:
         """Load `model`'s current weights into the engine, in place (the policy before each
-        rollout, or the reference for the audit; on whole weights)."""
-        if self.sleeps:
-            self.llm.wake_up()
+        rollout, or the reference for the audit; on whole weights). A sleeping engine wakes
+        first and stays awake."""
+        self._wake()
         weights = merged_weights(model)
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(weights.items())}
@@ -106,7 +107,10 @@ class VLLMGenerator:
     ) -> Generations:
         """Answers to `queries` as `HFGenerator.generate` returns them (left-padded queries,
         responses padded after each stop), with the engine's log-probs; every tensor on
-        `device`, built and decoded on the CPU first."""
+        `device`, built and decoded on the CPU first. With `sleeps` the engine wakes (if
+        asleep) before it samples and sleeps (level 1: weights offloaded, KV cache released)
+        once it has, so the memory is free until the next call."""
+        self._wake()
         asked, mine = self._together(queries)
         row_seeds = self._together(seeds if seeds is not None else [None] * len(queries))[0]
         outputs = self.llm.generate(
@@ -114,8 +118,9 @@ class VLLMGenerator:
             [self._params(gen, seed) for seed in row_seeds],
             use_tqdm=False,
         )[mine]
-        if self.sleeps:  # the update gets the KV cache's memory back
+        if self.sleeps:
             self.llm.sleep(level=1)
+            self.asleep = True
         return self._answers(queries, outputs).to(self.device)
 
     def _answers(self, queries: list[list[int]], outputs: list[Any]) -> Generations:
@@ -136,6 +141,11 @@ class VLLMGenerator:
         return Generations(
             query_ids, query_mask, response_ids, response_mask, ended, texts, sampler
         )
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def _together(self, items: list[Any]) -> tuple[list[Any], slice]:
         """Every member's `items` of this engine's group, in rank order, and where this

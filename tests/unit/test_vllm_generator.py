@@ -31,21 +31,26 @@ class FakeLLM:
     def __init__(self, answer: list[int]) -> None:
         self.answer = answer
         self.calls: list[str] = []
+        self.asleep = False
 
     def generate(self, prompts: list[dict], params: list[dict], use_tqdm: bool) -> list:
         self.calls.append("generate")
+        assert not self.asleep, "generate on a sleeping engine"
         logprobs = [{t: SimpleNamespace(logprob=-0.5)} for t in self.answer]
         completion = SimpleNamespace(token_ids=self.answer, logprobs=logprobs)
         return [SimpleNamespace(outputs=[completion]) for _ in prompts]
 
     def sleep(self, level: int) -> None:
         self.calls.append(f"sleep({level})")
+        self.asleep = True
 
     def wake_up(self) -> None:
         self.calls.append("wake_up")
+        self.asleep = False
 
     def collective_rpc(self, method: str, kwargs: dict) -> None:
         self.calls.append(method)
+        assert not self.asleep, f"{method} on a sleeping engine"
 
     def reset_prefix_cache(self) -> None:
         self.calls.append("reset_prefix_cache")
@@ -70,3 +75,23 @@ def test_answers_land_on_the_device_the_engine_was_built_for():
     assert {k: v.device for k, v in tensors.items()} == dict.fromkeys(tensors, meta)
     assert answers.texts == ["7 2", "7 2"]  # decoded before the move, up to the stop token
     assert answers.response_ids.shape == (2, 3) and answers.query_ids.shape == (2, 2)
+
+
+@pytest.mark.parametrize("sleeps", [True, False])
+def test_a_sleeping_engine_wakes_before_every_generation_and_sleeps_after(sleeps):
+    llm = FakeLLM([7, EOS])
+    engine = VLLMGenerator(llm, FakeTokenizer(), [EOS], torch.device("cpu"), sleeps=sleeps)
+    gen, policy = GenerationSection(max_new_tokens=2), torch.nn.Linear(2, 2)
+    engine.generate([[4]], gen)  # compare: straight after the engine is built
+    engine.sync(policy)  # a rollout
+    engine.generate([[4]], gen)
+    engine.generate([[5]], gen)  # the held-out evaluation: two batches, no sync between
+    engine.generate([[6]], gen)
+    engine.sync(policy)  # the next rollout
+    engine.generate([[4]], gen)
+    asleep = ["generate", "sleep(1)"] if sleeps else ["generate"]
+    woken = ["wake_up"] if sleeps else []
+    reload = ["reload_weights", "reset_prefix_cache"]
+    assert llm.calls == (
+        [*asleep, *woken, *reload, *asleep] + [*woken, *asleep] * 2 + [*woken, *reload, *asleep]
+    )
