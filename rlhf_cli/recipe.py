@@ -166,8 +166,10 @@ class ModelSection(Section):
     trust_remote_code: bool = _f(False, "Run modelling code shipped with the checkpoint.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
         "auto",
-        "dtype of frozen weights and of the compute (autocast): `auto` is bfloat16 on CUDA and "
-        "float32 on the CPU. Trained weights (LoRA, value head, full fine-tuning) stay float32.",
+        "dtype of frozen weights and of the compute (autocast): `auto` is bfloat16 on CUDA GPUs "
+        "that compute it natively (Ampere and later), float32 on older GPUs and on the CPU; a "
+        "vLLM engine on CUDA computes in it too. Trained weights (LoRA, value head, full "
+        "fine-tuning) stay float32.",
     )
     device_map: str | None = _f(
         None, "transformers `device_map` (e.g. `auto`); default: one device."
@@ -331,7 +333,9 @@ class RewardSection(Section):
     )
     tokenizer: str | None = _f(None, "Reward tokenizer when it differs from the model's.")
     trust_remote_code: bool = _f(False, "Run modelling code shipped with the reward checkpoint.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "Reward model dtype.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
+        "auto", "Reward model dtype (`auto` as in `model.dtype`)."
+    )
     template: str = _f(
         "Human: {prompt}\n\nAssistant: {response}",
         "How (prompt, response) becomes the reward model's input text.",
@@ -586,7 +590,9 @@ class AuditSection(Section):
 
 class MergeSection(Section):
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = _f(
-        "auto", "Merge dtype (`auto`: bfloat16 on CUDA, float32 on the CPU); never 4-bit."
+        "auto",
+        "Merge dtype (`auto` as in `model.dtype`: bfloat16 on GPUs that compute it natively, "
+        "else float32); never 4-bit.",
     )
     atol: float = _f(1e-3, "Largest allowed |logit difference| merged vs adapter model.", gt=0)
 

@@ -174,11 +174,18 @@ class VLLMGenerator:
 
 
 def vllm_generator(
-    model: Any, tokenizer: Any, gen: GenerationSection, max_len: int, seed: int, scratch: Path
+    model: Any,
+    tokenizer: Any,
+    gen: GenerationSection,
+    max_len: int,
+    seed: int,
+    scratch: Path,
+    dtype: torch.dtype,
 ) -> VLLMGenerator:
     """A colocated engine built from `model`'s (merged) weights, which the main process saves
     with the tokenizer into a folder under `scratch` for every process's vLLM to load, and
-    removes once they have."""
+    removes once they have; on CUDA it computes in `dtype` (the recipe's `model.dtype`,
+    resolved)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
@@ -196,7 +203,8 @@ def vllm_generator(
         tokenizer.save_pretrained(folder)
     _barrier()
     try:
-        llm = LLM(model=str(folder), **engine_settings(gen, on_gpu, max_len, seed, world))
+        settings = engine_settings(gen, on_gpu, dtype, max_len, seed, world)
+        llm = LLM(model=str(folder), **settings)
     finally:
         _barrier()
         if main:
@@ -229,16 +237,22 @@ def tensor_parallel_group(world: int, size: int) -> Any:
 
 
 def engine_settings(
-    gen: GenerationSection, on_gpu: bool, max_len: int, seed: int, world: int = 1
+    gen: GenerationSection,
+    on_gpu: bool,
+    dtype: torch.dtype,
+    max_len: int,
+    seed: int,
+    world: int = 1,
 ) -> dict:
     """`vllm.LLM`'s settings: float32 and eager on the CPU (no CUDA graphs and, with
     compilation mode 0, no torch.compile: vLLM's CPU default compiles the model with inductor,
-    minutes of C++ builds for each new engine); on CUDA bf16, CUDA graphs, vLLM's compilation,
-    the recipe's share of GPU memory, and sleep mode when the recipe asks for it. Under a launcher
+    minutes of C++ builds for each new engine); on CUDA `dtype` (the policy's), CUDA graphs,
+    vLLM's compilation, the recipe's share of GPU memory, and sleep mode when the recipe asks
+    for it. Under a launcher
     (`world` processes) the engines join the launcher's processes (`external_launcher`), each
     group of `vllm_tensor_parallel_size` sharing one."""
     settings: dict[str, Any] = dict(
-        dtype="bfloat16" if on_gpu else "float32",
+        dtype=str(dtype).removeprefix("torch.") if on_gpu else "float32",
         enforce_eager=not on_gpu,
         max_model_len=max_len,
         logprobs_mode="processed_logprobs",
