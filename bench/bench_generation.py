@@ -41,6 +41,7 @@ def prompts(n: int) -> list[str]:
 
 def engine(kind: str, model_dir: Path, work: Path) -> tuple[Any, Any, Any]:
     """(tokenizer, policy with a fresh LoRA, the rollout engine of `kind`)."""
+    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -56,7 +57,10 @@ def engine(kind: str, model_dir: Path, work: Path) -> tuple[Any, Any, Any]:
     from rlhf_cli.vllm_engine import vllm_generator
 
     gen = GenerationSection()
-    return tokenizer, policy, vllm_generator(policy, tokenizer, gen, 512, seed=0, scratch=work)
+    generator = vllm_generator(
+        policy, tokenizer, gen, 512, seed=0, scratch=work, dtype=torch.float32
+    )
+    return tokenizer, policy, generator
 
 
 def fixed_length(kind: str, tokenizer: Any, policy: Any, gen: Any, queries: list, n: int) -> float:

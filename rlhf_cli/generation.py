@@ -25,6 +25,7 @@ forward pass scores a token under the distribution it was drawn from:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -66,6 +67,11 @@ class Generations:
     def attention_mask(self) -> Tensor:
         """(b, p + r)."""
         return torch.cat([self.query_mask, self.response_mask.long()], dim=1)
+
+    def to(self, device: torch.device) -> Generations:
+        """The same answers with every tensor on `device`."""
+        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, Tensor)}
+        return dataclasses.replace(self, **moved)
 
 
 class Generator(Protocol):

@@ -46,9 +46,12 @@ def pick_device(device: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The torch dtype a recipe's `dtype` names; `auto` is bfloat16 on a CUDA device that
+    computes it natively (Ampere and later: torch's emulated bf16 on older GPUs is slow) and
+    float32 everywhere else."""
     if name != "auto":
         return DTYPES[name]
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.bfloat16
     return torch.float32
 

@@ -169,8 +169,10 @@ class ModelSection(Section):
     trust_remote_code: bool = _f(False, "Run modelling code shipped with the checkpoint.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
         "auto",
-        "dtype of frozen weights and of the compute (autocast): `auto` is bfloat16 on CUDA and "
-        "float32 on the CPU. Trained weights (LoRA, value head, full fine-tuning) stay float32.",
+        "dtype of frozen weights and of the compute (autocast): `auto` is bfloat16 on CUDA GPUs "
+        "that compute it natively (Ampere and later), float32 on older GPUs and on the CPU; a "
+        "vLLM engine on CUDA computes in it too. Trained weights (LoRA, value head, full "
+        "fine-tuning) stay float32.",
     )
     device_map: str | None = _f(
         None, "transformers `device_map` (e.g. `auto`); default: one device."
@@ -339,7 +341,9 @@ class RewardSection(TrainerSection):
     )
     tokenizer: str | None = _f(None, "Reward tokenizer when it differs from the model's.")
     trust_remote_code: bool = _f(False, "Run modelling code shipped with the reward checkpoint.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "Reward model dtype.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
+        "auto", "Reward model dtype (`auto` as in `model.dtype`)."
+    )
     template: str = _f(
         "Human: {prompt}\n\nAssistant: {response}",
         "How (prompt, response) becomes the reward model's input text.",
@@ -428,8 +432,9 @@ class GenerationSection(Section):
     )
     vllm_sleep: bool = _f(
         False,
-        "Release the vLLM engine's KV cache (sleep level 1) while the update runs, and wake it "
-        "before the next rollout. CUDA only.",
+        "Put the vLLM engine to sleep (level 1: weights offloaded to the CPU, KV cache "
+        "released) after every batch it generates, and wake it before the next one and before "
+        "a weight sync: the update gets its GPU memory. CUDA only.",
     )
     tis_cap: float | None = _f(
         None,
@@ -581,7 +586,9 @@ class AuditSection(Section):
 
 class MergeSection(Section):
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = _f(
-        "auto", "Merge dtype (`auto`: bfloat16 on CUDA, float32 on the CPU); never 4-bit."
+        "auto",
+        "Merge dtype (`auto` as in `model.dtype`: bfloat16 on GPUs that compute it natively, "
+        "else float32); never 4-bit.",
     )
     atol: float = _f(1e-3, "Largest allowed |logit difference| merged vs adapter model.", gt=0)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,14 +86,15 @@ class VLLMGenerator:
     tokenizer: Any
     stop_ids: list[int]
     device: torch.device  # where the returned tensors go (the policy's)
-    sleeps: bool = False  # `vllm_sleep`: the KV cache is released between rollouts
+    sleeps: bool = False  # `vllm_sleep`: asleep (level 1) after every `generate`
     group: Any = None  # the processes sharing this engine (tensor parallel), if more than one
+    asleep: bool = field(default=False, init=False)  # since its last `sleep`, until `wake_up`
 
     def sync(self, model: Any) -> None:
         """Load `model`'s current weights into the engine, in place (the policy before each
-        rollout, or the reference for the audit; on whole weights)."""
-        if self.sleeps:
-            self.llm.wake_up()
+        rollout, or the reference for the audit; on whole weights). A sleeping engine wakes
+        first and stays awake."""
+        self._wake()
         weights = merged_weights(model)
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(weights.items())}
@@ -105,7 +106,11 @@ class VLLMGenerator:
         self, queries: list[list[int]], gen: GenerationSection, seeds: list[int] | None = None
     ) -> Generations:
         """Answers to `queries` as `HFGenerator.generate` returns them (left-padded queries,
-        responses padded after each stop), with the engine's log-probs."""
+        responses padded after each stop), with the engine's log-probs; every tensor on
+        `device`, built and decoded on the CPU first. With `sleeps` the engine wakes (if
+        asleep) before it samples and sleeps (level 1: weights offloaded, KV cache released)
+        once it has, so the memory is free until the next call."""
+        self._wake()
         asked, mine = self._together(queries)
         row_seeds = self._together(seeds if seeds is not None else [None] * len(queries))[0]
         outputs = self.llm.generate(
@@ -113,8 +118,13 @@ class VLLMGenerator:
             [self._params(gen, seed) for seed in row_seeds],
             use_tqdm=False,
         )[mine]
-        if self.sleeps:  # the update gets the KV cache's memory back
+        if self.sleeps:
             self.llm.sleep(level=1)
+            self.asleep = True
+        return self._answers(queries, outputs).to(self.device)
+
+    def _answers(self, queries: list[list[int]], outputs: list[Any]) -> Generations:
+        """vLLM's `RequestOutput`s of `queries` as `Generations`, on the CPU."""
         pad_id = self.tokenizer.pad_token_id
         query_ids, query_mask = left_pad(queries, pad_id, torch.device("cpu"))
         tokens = [list(o.outputs[0].token_ids) or [pad_id] for o in outputs]
@@ -131,6 +141,11 @@ class VLLMGenerator:
         return Generations(
             query_ids, query_mask, response_ids, response_mask, ended, texts, sampler
         )
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def _together(self, items: list[Any]) -> tuple[list[Any], slice]:
         """Every member's `items` of this engine's group, in rank order, and where this
@@ -159,11 +174,18 @@ class VLLMGenerator:
 
 
 def vllm_generator(
-    model: Any, tokenizer: Any, gen: GenerationSection, max_len: int, seed: int, scratch: Path
+    model: Any,
+    tokenizer: Any,
+    gen: GenerationSection,
+    max_len: int,
+    seed: int,
+    scratch: Path,
+    dtype: torch.dtype,
 ) -> VLLMGenerator:
     """A colocated engine built from `model`'s (merged) weights, which the main process saves
     with the tokenizer into a folder under `scratch` for every process's vLLM to load, and
-    removes once they have."""
+    removes once they have; on CUDA it computes in `dtype` (the recipe's `model.dtype`,
+    resolved)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
@@ -181,7 +203,8 @@ def vllm_generator(
         tokenizer.save_pretrained(folder)
     _barrier()
     try:
-        llm = LLM(model=str(folder), **engine_settings(gen, on_gpu, max_len, seed, world))
+        settings = engine_settings(gen, on_gpu, dtype, max_len, seed, world)
+        llm = LLM(model=str(folder), **settings)
     finally:
         _barrier()
         if main:
@@ -214,16 +237,22 @@ def tensor_parallel_group(world: int, size: int) -> Any:
 
 
 def engine_settings(
-    gen: GenerationSection, on_gpu: bool, max_len: int, seed: int, world: int = 1
+    gen: GenerationSection,
+    on_gpu: bool,
+    dtype: torch.dtype,
+    max_len: int,
+    seed: int,
+    world: int = 1,
 ) -> dict:
     """`vllm.LLM`'s settings: float32 and eager on the CPU (no CUDA graphs and, with
     compilation mode 0, no torch.compile: vLLM's CPU default compiles the model with inductor,
-    minutes of C++ builds for each new engine); on CUDA bf16, CUDA graphs, vLLM's compilation,
-    the recipe's share of GPU memory, and sleep mode when the recipe asks for it. Under a launcher
+    minutes of C++ builds for each new engine); on CUDA `dtype` (the policy's), CUDA graphs,
+    vLLM's compilation, the recipe's share of GPU memory, and sleep mode when the recipe asks
+    for it. Under a launcher
     (`world` processes) the engines join the launcher's processes (`external_launcher`), each
     group of `vllm_tensor_parallel_size` sharing one."""
     settings: dict[str, Any] = dict(
-        dtype="bfloat16" if on_gpu else "float32",
+        dtype=str(dtype).removeprefix("torch.") if on_gpu else "float32",
         enforce_eager=not on_gpu,
         max_model_len=max_len,
         logprobs_mode="processed_logprobs",

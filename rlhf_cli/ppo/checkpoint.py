@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from rlhf_cli.errors import StageError, checkpoint_mismatch, is_shape_error
 from rlhf_cli.modeling import trainable_state
-from rlhf_cli.ppo.sharding import Engine
+from rlhf_cli.ppo.sharding import Engine, load_pt
 from rlhf_cli.rundir import atomic_write_json, file_sha256
 
 INDEX = "checkpoint.json"
@@ -166,11 +166,11 @@ def load_checkpoint(
         if not is_shape_error(exc):
             raise
         raise checkpoint_mismatch(folder, str(exc).splitlines()[0][:200]) from None
-    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+    scheduler.load_state_dict(load_pt(folder / "scheduler.pt"))
     kl_ctl.load_state_dict(state["kl_controller"])
     rng_file = folder / f"rng_{acc.process_index}.pt"
     if not rng_file.is_file() and (folder / "rng.pt").is_file():  # one-process, before rng_<rank>
         rng_file = folder / "rng.pt"
-    rng = torch.load(rng_file, weights_only=False)
+    rng = load_pt(rng_file)
     set_rng_state(rng, sampler)
     return state

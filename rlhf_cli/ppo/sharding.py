@@ -144,6 +144,13 @@ def engine_for(acc: Any) -> Engine:
     return Engine(acc)
 
 
+def load_pt(path: Path) -> Any:
+    """A checkpoint's `torch.save`d file (optimizer, scheduler, random states), its tensors on
+    the CPU whichever device wrote them: where they are loaded into moves them to its own
+    device (an optimizer state to its parameter's), so no process fills the writer's GPU."""
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
 class Engine:
     """Replicated weights (one process, or DDP through accelerate)."""
 
@@ -188,7 +195,7 @@ class Engine:
             for name, tensor in weights.items():
                 params[name].copy_(tensor.to(params[name].device))
         unwrapped.load_value_state_dict(load_file(folder / "value.safetensors"))
-        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        optimizer.load_state_dict(load_pt(folder / "optimizer.pt"))
 
 
 class DeepSpeedEngine(Engine):

@@ -25,6 +25,7 @@ from rlhf_cli.modeling import (
     load_sft_model,
     load_tokenizer,
     make_trainable,
+    resolve_dtype,
     set_dropout,
 )
 from rlhf_cli.ppo.checkpoint import checkpoint_state
@@ -211,10 +212,12 @@ def generation_engine(
 ) -> Generator:
     """`gen.backend`'s engine answering as `model`: transformers `generate` on the model
     itself, or a colocated vLLM engine built from its whole weights (before any sharding), seeded
-    from `run.seed`, its weights written under `scratch` while it loads them."""
+    from `run.seed`, computing in `model.dtype` as resolved on `model`'s device, its weights
+    written under `scratch` while it loads them."""
     if gen.backend == "hf":
         return generator_for(model, tokenizer)
     from rlhf_cli.vllm_engine import vllm_generator
 
     max_len = recipe.data.prompts.max_tokens + gen.max_new_tokens
-    return vllm_generator(model, tokenizer, gen, max_len, recipe.run.seed, scratch)
+    dtype = resolve_dtype(recipe.model.dtype, next(model.parameters()).device)
+    return vllm_generator(model, tokenizer, gen, max_len, recipe.run.seed, scratch, dtype)

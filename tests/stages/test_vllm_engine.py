@@ -43,7 +43,8 @@ def policy_and_engine(tmp_path_factory: pytest.TempPathFactory):
     lora = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"])
     policy = get_peft_model(LlamaForCausalLM(config), lora).eval()
     work = tmp_path_factory.mktemp("vllm")
-    engine = vllm_generator(policy, tokenizer, GenerationSection(), 160, seed=0, scratch=work)
+    gen = GenerationSection()
+    engine = vllm_generator(policy, tokenizer, gen, 160, seed=0, scratch=work, dtype=torch.float32)
     assert list(work.iterdir()) == []  # the weights vLLM loaded from are not left behind
     assert engine.stop_ids == stop_token_ids(tokenizer, policy)
     return policy, tokenizer, engine

@@ -315,6 +315,21 @@ def test_load_restores_weights_optimizer_scheduler_and_kl(tmp_path):
     assert (fresh.kl_ctl.target, fresh.kl_ctl.horizon) == (6.0, 10000)
 
 
+def test_every_file_torch_loads_on_resume_comes_onto_the_cpu(tmp_path, monkeypatch):
+    # without a map_location a file lands where it was saved from: every process would fill the
+    # GPU of the process that wrote it (cuda:0)
+    folder = Parts(0).save(tmp_path, 1)
+    loaded, real_load = {}, torch.load
+
+    def recording_load(path, *args, **kwargs):
+        loaded[os.path.basename(path)] = kwargs.get("map_location", args[0] if args else None)
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    Parts(1).load(folder)
+    assert loaded == dict.fromkeys(["optimizer.pt", "scheduler.pt", "rng_0.pt"], "cpu")
+
+
 def test_load_restores_a_fixed_kl_controller_after_a_raise(tmp_path):
     saved = Parts(0, kl_ctl=FixedKLController(0.2))
     saved.kl_ctl.raise_by(0.05)

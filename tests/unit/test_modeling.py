@@ -99,6 +99,19 @@ def test_devices_and_dtypes() -> None:
         assert pick_device("auto") == CPU
 
 
+def test_auto_is_bfloat16_only_on_gpus_that_compute_it_natively(monkeypatch) -> None:
+    cuda = torch.device("cuda")
+
+    def before_ampere(including_emulation: bool = True) -> bool:  # T4, V100: emulated only
+        return including_emulation
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", before_ampere)
+    assert resolve_dtype("auto", cuda) == torch.float32
+    assert resolve_dtype("bfloat16", cuda) == torch.bfloat16  # asked for, it is what it gets
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert resolve_dtype("auto", cuda) == torch.bfloat16  # Ampere and later
+
+
 # ── 4-bit ───────────────────────────────────────────────────────────────────────────────────
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -168,7 +169,7 @@ def test_the_vllm_engine_settings_follow_the_recipe_on_cuda_only():
     from rlhf_cli.vllm_engine import engine_settings
 
     gen = GenerationSection(vllm_gpu_memory_utilization=0.45, vllm_sleep=True)
-    cpu = engine_settings(gen, on_gpu=False, max_len=256, seed=3)
+    cpu = engine_settings(gen, on_gpu=False, dtype=torch.bfloat16, max_len=256, seed=3)
     assert cpu == {
         "dtype": "float32",
         "enforce_eager": True,
@@ -178,16 +179,26 @@ def test_the_vllm_engine_settings_follow_the_recipe_on_cuda_only():
         "seed": 3,
         "tensor_parallel_size": 1,
     }
-    gpu = engine_settings(gen, on_gpu=True, max_len=256, seed=3)
+    gpu = engine_settings(gen, on_gpu=True, dtype=torch.bfloat16, max_len=256, seed=3)
     assert gpu["dtype"] == "bfloat16" and not gpu["enforce_eager"]
     assert "compilation_config" not in gpu  # vLLM's own compilation on CUDA
     assert (gpu["gpu_memory_utilization"], gpu["enable_sleep_mode"]) == (0.45, True)
     # under a launcher the engines join its processes, in groups of the tensor-parallel size
     tp = GenerationSection(vllm_tensor_parallel_size=2)
-    launched = engine_settings(tp, on_gpu=True, max_len=256, seed=3, world=4)
+    launched = engine_settings(tp, True, torch.bfloat16, max_len=256, seed=3, world=4)
     assert launched["distributed_executor_backend"] == "external_launcher"
     assert launched["tensor_parallel_size"] == 2
     assert "distributed_executor_backend" not in gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_vllm_engine_computes_in_the_dtype_it_is_given_on_cuda(dtype):
+    from rlhf_cli.recipe import GenerationSection
+    from rlhf_cli.vllm_engine import engine_settings
+
+    settings = engine_settings(GenerationSection(), True, dtype, max_len=64, seed=0)
+    assert settings["dtype"] == str(dtype).removeprefix("torch.")
+    assert getattr(torch, settings["dtype"]) is dtype  # a name vLLM reads as this dtype
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_processes_is_refused():
