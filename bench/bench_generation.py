@@ -54,7 +54,7 @@ def engine(kind: str, model_dir: Path, work: Path) -> tuple[Any, Any, Any]:
     policy = get_peft_model(model, LoraConfig(r=16, target_modules=["q_proj", "v_proj"])).eval()
     if kind == "hf":
         return tokenizer, policy, generator_for(policy, tokenizer)
-    from rlhf_cli.vllm_engine import vllm_generator
+    from rlhf_cli.generation.vllm import vllm_generator
 
     gen = GenerationSection()
     generator = vllm_generator(

@@ -401,6 +401,36 @@ class RewardSection(TrainerSection):
         return self.pretrained is not None or self.base_model is not None
 
 
+class VllmSection(Section):
+    gpu_memory_utilization: float = _f(
+        0.3,
+        "Share of each GPU's memory the vLLM engine may take (weights and KV cache); the rest "
+        "is the training's. CUDA only.",
+        gt=0.0,
+        lt=1.0,
+    )
+    tensor_parallel_size: int = _f(
+        1,
+        "Processes (GPUs) that share one vLLM engine, its weights split across them. Under "
+        "`accelerate launch` the processes form groups of this size (it must divide their "
+        "number); each group samples its members' prompts together.",
+        ge=1,
+    )
+    sleep: bool = _f(
+        False,
+        "Put the vLLM engine to sleep (level 1: weights offloaded to the CPU, KV cache "
+        "released) after every batch it generates, and wake it before the next one and before "
+        "a weight sync: the update gets its GPU memory. CUDA only.",
+    )
+
+
+RENAMED_VLLM_FIELDS = {
+    "vllm_gpu_memory_utilization": "vllm.gpu_memory_utilization",
+    "vllm_tensor_parallel_size": "vllm.tensor_parallel_size",
+    "vllm_sleep": "vllm.sleep",
+}
+
+
 class GenerationSection(Section):
     max_new_tokens: int = _f(200, "Longest response in tokens.", gt=0)
     temperature: float = _f(
@@ -416,26 +446,7 @@ class GenerationSection(Section):
         "`ppo.generation.backend` samples the rollouts (and the in-training audit); "
         "`audit.generation.backend` serves `rlhf audit` and `rlhf compare`.",
     )
-    vllm_gpu_memory_utilization: float = _f(
-        0.3,
-        "Share of each GPU's memory the vLLM engine may take (weights and KV cache); the rest "
-        "is the training's. CUDA only.",
-        gt=0.0,
-        lt=1.0,
-    )
-    vllm_tensor_parallel_size: int = _f(
-        1,
-        "Processes (GPUs) that share one vLLM engine, its weights split across them. Under "
-        "`accelerate launch` the processes form groups of this size (it must divide their "
-        "number); each group samples its members' prompts together.",
-        ge=1,
-    )
-    vllm_sleep: bool = _f(
-        False,
-        "Put the vLLM engine to sleep (level 1: weights offloaded to the CPU, KV cache "
-        "released) after every batch it generates, and wake it before the next one and before "
-        "a weight sync: the update gets its GPU memory. CUDA only.",
-    )
+    vllm: VllmSection = _f(VllmSection(), "The vLLM engine's settings (`backend: vllm`).")
     tis_cap: float | None = _f(
         None,
         "Truncated importance sampling: weight each token's policy loss by "
@@ -443,6 +454,15 @@ class GenerationSection(Section):
         "(off by default).",
         gt=0.0,
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in RENAMED_VLLM_FIELDS.items():
+                if old in data:
+                    raise ValueError(f"{old} is now {new}: move it under generation.vllm")
+        return data
 
 
 class PpoSection(Section):

@@ -14,7 +14,6 @@ from rlhf_cli.audit.detectors import audit_responses
 from rlhf_cli.generation import (
     Generations,
     Generator,
-    generator_for,
     response_logits,
     response_logprobs,
     row_seed,
@@ -74,18 +73,17 @@ def audit_policy(
     seed: int,
     reference: Reference | None = None,
     scorer: RewardScorer | None = None,
+    generator: Generator,
     batch_size: int = 16,
-    generator: Generator | None = None,
 ) -> dict[str, Any]:
     """The guide's audit report on `cfg.samples` responses per prompt; with a reward model and
     the reference, their mean rewards and the policy's KL to the reference too. `generator`
-    samples (synced to the policy, then to the reference); transformers `generate` by
-    default. Each answer samples from its own seed, derived from `seed`."""
+    (the recipe's backend, `generation.generator_for`) samples, synced to the policy, then to
+    the reference. Each answer samples from its own seed, derived from `seed`."""
     was_training = model.training
     model.eval()
     asked = [p for p in prompts for _ in range(cfg.samples)]
     queries = tokenize_prompts(tokenizer, asked, chat, max_tokens)
-    generator = generator or generator_for(model, tokenizer)
     generator.sync(model)
     batches = sample_answers(generator, queries, cfg.generation, batch_size, seed)
     responses = [text for answers in batches for text in answers.texts]

@@ -13,12 +13,12 @@ from rich.console import Console
 from rlhf_cli.audit.detectors import audit_responses
 from rlhf_cli.audit.measure import audit_policy, render_report
 from rlhf_cli.data import audit_prompts, read_responses
+from rlhf_cli.generation import check_backend
 from rlhf_cli.modeling import pick_device
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import (
-    check_engine,
     generation_engine,
     load_scorer,
     load_trained_policy,
@@ -45,7 +45,7 @@ def run_audit(
     else:
         device = pick_device(recipe.run.device)
         seed_everything(recipe.run.seed)  # the same audit twice samples the same responses
-        check_engine(cfg.generation, recipe)
+        check_backend(cfg.generation, recipe.model.quantization.load_in_4bit)
         policy = load_trained_policy(recipe, run, device, checkpoint)
         generator = generation_engine(
             cfg.generation, policy.model, policy.tokenizer, recipe, run.path

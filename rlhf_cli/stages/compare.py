@@ -6,13 +6,12 @@ from typing import Any
 
 from rlhf_cli.data import audit_prompts
 from rlhf_cli.errors import StageError
-from rlhf_cli.generation import row_seed, tokenize_prompts
+from rlhf_cli.generation import check_backend, row_seed, tokenize_prompts
 from rlhf_cli.modeling import pick_device
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import (
-    check_engine,
     generation_engine,
     load_scorer,
     load_trained_policy,
@@ -27,7 +26,7 @@ def run_compare(recipe: Recipe, prompts: list[str] | None = None) -> list[dict[s
     device = pick_device(recipe.run.device)
     seed_everything(recipe.run.seed)
     gen = recipe.audit.generation
-    check_engine(gen, recipe)
+    check_backend(gen, recipe.model.quantization.load_in_4bit)
     policy = load_trained_policy(recipe, run, device)
     if policy.reference is None:
         raise StageError("compare needs the SFT model of the run as reference")

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from rlhf_cli.data import audit_prompts, load_prompts, split_heldout
 from rlhf_cli.errors import DataError
-from rlhf_cli.generation import Generator, tokenize_prompts
+from rlhf_cli.generation import Generator, check_backend, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
     load_policy_tokenizer,
@@ -49,7 +49,6 @@ from rlhf_cli.rundir import (
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import drop_checkpoints, resume_notes, seed_everything
 from rlhf_cli.stages.trained import (
-    check_engine,
     frozen_scorer,
     generation_engine,
     policy_source,
@@ -69,7 +68,7 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     """Align the policy with PPO; write `runs/<name>/ppo/`; return its manifest."""
     run = RunDir.for_recipe(recipe)
     device = pick_device(recipe.run.device)
-    check_engine(recipe.ppo.generation, recipe)
+    check_backend(recipe.ppo.generation, recipe.model.quantization.load_in_4bit)
     trackers = Trackers.for_stage(recipe.run, "ppo", run.stage_dir("ppo"))
     # Trained weights stay fp32; a half-precision recipe computes under autocast (CUDA only).
     accelerator = build_accelerator(

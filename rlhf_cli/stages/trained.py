@@ -199,14 +199,6 @@ def frozen_scorer(
     )
 
 
-def check_engine(gen: GenerationSection, recipe: Recipe) -> None:
-    """What `gen.backend` needs, checked before any model loads (one line, exit 2)."""
-    if gen.backend == "vllm":
-        from rlhf_cli.vllm_engine import check_vllm
-
-        check_vllm(recipe.model.quantization.load_in_4bit)
-
-
 def generation_engine(
     gen: GenerationSection, model: Any, tokenizer: Any, recipe: Recipe, scratch: Path
 ) -> Generator:
@@ -214,10 +206,12 @@ def generation_engine(
     itself, or a colocated vLLM engine built from its whole weights (before any sharding), seeded
     from `run.seed`, computing in `model.dtype` as resolved on `model`'s device, its weights
     written under `scratch` while it loads them."""
-    if gen.backend == "hf":
-        return generator_for(model, tokenizer)
-    from rlhf_cli.vllm_engine import vllm_generator
-
-    max_len = recipe.data.prompts.max_tokens + gen.max_new_tokens
-    dtype = resolve_dtype(recipe.model.dtype, next(model.parameters()).device)
-    return vllm_generator(model, tokenizer, gen, max_len, recipe.run.seed, scratch, dtype)
+    return generator_for(
+        model,
+        tokenizer,
+        gen,
+        max_len=recipe.data.prompts.max_tokens + gen.max_new_tokens,
+        seed=recipe.run.seed,
+        scratch=scratch,
+        dtype=resolve_dtype(recipe.model.dtype, next(model.parameters()).device),
+    )

@@ -29,8 +29,8 @@ def policy_and_engine(tmp_path_factory: pytest.TempPathFactory):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from rlhf_cli.generation.vllm import vllm_generator
     from rlhf_cli.modeling import load_tokenizer
-    from rlhf_cli.vllm_engine import vllm_generator
 
     tokenizer = load_tokenizer("builtin:tiny-lm", padding_side="left")
     torch.manual_seed(0)

@@ -61,7 +61,10 @@ def test_ppo_on_the_vllm_engine_learns_and_audits(ppo_recipe, pipeline, tmp_path
 
 def _on_vllm(tensor_parallel: int) -> dict:
     generation = {**SAMPLED["generation"], "backend": "vllm"}
-    return {**SAMPLED, "generation": {**generation, "vllm_tensor_parallel_size": tensor_parallel}}
+    return {
+        **SAMPLED,
+        "generation": {**generation, "vllm": {"tensor_parallel_size": tensor_parallel}},
+    }
 
 
 @pytest.fixture(scope="module")

@@ -188,7 +188,7 @@ def test_long_prompts_lose_their_start_inside_the_template():
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_chunked_logprobs_give_the_same_values_and_gradients(monkeypatch, top_p):
-    import rlhf_cli.generation as generation
+    import rlhf_cli.generation.core as generation
 
     torch.manual_seed(0)
     logits = torch.randn(3, 5, 17, requires_grad=True)
@@ -212,7 +212,7 @@ def test_chunked_logprobs_give_the_same_values_and_gradients(monkeypatch, top_p)
 
 
 def test_hashed_uniforms_are_uniform_and_a_function_of_seed_step_and_token():
-    from rlhf_cli.generation import hashed_uniform
+    from rlhf_cli.generation.hf import hashed_uniform
 
     u = hashed_uniform(torch.tensor([0, 1, 2**62, -5]), step=3, vocab=50_000)
     assert u.shape == (4, 50_000) and (u > 0).all() and (u < 1).all()
@@ -229,7 +229,7 @@ def test_hashed_uniforms_are_uniform_and_a_function_of_seed_step_and_token():
 def test_gumbel_argmax_draws_from_the_softmax():
     """Greedy decoding of the noisy scores samples softmax(scores): frequencies over 20000
     seeded rows match the probabilities within 4 standard errors."""
-    from rlhf_cli.generation import SeededGumbel
+    from rlhf_cli.generation.hf import SeededGumbel
 
     scores = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf")])
     n = 20_000

@@ -80,6 +80,9 @@ def test_ppo_and_audit_import_no_stage_and_no_cli():
 def test_shared_helpers_import_no_layer_above():
     lower = (
         "rlhf_cli.generation",
+        "rlhf_cli.generation.core",
+        "rlhf_cli.generation.hf",
+        "rlhf_cli.generation.vllm",
         "rlhf_cli.modeling",
         "rlhf_cli.scoring",
         "rlhf_cli.data",
@@ -117,14 +120,27 @@ def test_one_generation_module_serves_every_caller():
     sources = {name: path.read_text() for name, path in _modules().items()}
     callers = [name for name, text in sources.items() if ".generate(" in text]
     assert set(callers) <= {
-        "rlhf_cli.generation",
-        "rlhf_cli.vllm_engine",  # the second backend, behind the same Generator interface
+        "rlhf_cli.generation.hf",
+        "rlhf_cli.generation.vllm",  # the second backend, behind the same Generator interface
         "rlhf_cli.ppo.rollout",
         "rlhf_cli.audit.measure",
         "rlhf_cli.stages.compare",
     }, callers
     model_generate = [n for n, t in sources.items() if "model.generate(" in t]
-    assert model_generate == ["rlhf_cli.generation"]
+    assert model_generate == ["rlhf_cli.generation.hf"]
+
+
+def test_only_generator_for_names_a_backend():
+    """Callers ask `generation.generator_for` (and `check_backend`): no module outside the
+    generation package imports a backend or builds one."""
+    backends = {"rlhf_cli.generation.hf", "rlhf_cli.generation.vllm"}
+    sources = {name: path.read_text() for name, path in _modules().items()}
+    for module, targets in import_graph().items():
+        if module.startswith("rlhf_cli.generation"):
+            continue
+        assert not targets & backends, f"{module} imports {targets & backends}"
+        for builder in ("HFGenerator(", "VLLMGenerator(", "vllm_generator("):
+            assert builder not in sources[module], f"{module} builds a backend: {builder}"
 
 
 def long_functions() -> list[str]:

@@ -325,3 +325,19 @@ def test_estimator_and_evaluation_settings_that_cannot_work_are_refused(
     path = make_recipe({"ppo": {"batch_size": 32, **ppo}, "data": {"prompts": data}})
     with pytest.raises(RecipeError, match=message):
         load_recipe(path)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("vllm_sleep: true", "vllm.sleep"),
+        ("vllm_tensor_parallel_size: 2", "vllm.tensor_parallel_size"),
+        ("vllm_gpu_memory_utilization: 0.5", "vllm.gpu_memory_utilization"),
+    ],
+)
+def test_a_flat_vllm_field_names_its_new_place(tmp_path: Path, old: str, new: str) -> None:
+    text = edit(VALID, "ppo:\n", f"ppo:\n  generation:\n    {old}\n")
+    (problem,) = problems_of(write(tmp_path, text))
+    assert "ppo.generation" in problem and f"is now {new}" in problem, problem
+    nested = edit(VALID, "ppo:\n", "ppo:\n  generation:\n    vllm:\n      sleep: true\n")
+    assert load_recipe(write(tmp_path, nested, "ok.yaml")).ppo.generation.vllm.sleep

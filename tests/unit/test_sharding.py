@@ -150,8 +150,8 @@ def test_a_checkpoint_resumes_only_under_the_layout_that_wrote_it(tmp_path):
 def test_the_vllm_backend_is_refused_before_any_model_loads(
     monkeypatch, installed, four_bit, message
 ):
-    from rlhf_cli import vllm_engine
     from rlhf_cli.errors import ModelLoadError
+    from rlhf_cli.generation import vllm as vllm_engine
 
     real = vllm_engine.importlib.util.find_spec
     monkeypatch.setattr(
@@ -165,10 +165,10 @@ def test_the_vllm_backend_is_refused_before_any_model_loads(
 
 
 def test_the_vllm_engine_settings_follow_the_recipe_on_cuda_only():
+    from rlhf_cli.generation.vllm import engine_settings
     from rlhf_cli.recipe import GenerationSection
-    from rlhf_cli.vllm_engine import engine_settings
 
-    gen = GenerationSection(vllm_gpu_memory_utilization=0.45, vllm_sleep=True)
+    gen = GenerationSection(vllm={"gpu_memory_utilization": 0.45, "sleep": True})
     cpu = engine_settings(gen, on_gpu=False, dtype=torch.bfloat16, max_len=256, seed=3)
     assert cpu == {
         "dtype": "float32",
@@ -184,7 +184,7 @@ def test_the_vllm_engine_settings_follow_the_recipe_on_cuda_only():
     assert "compilation_config" not in gpu  # vLLM's own compilation on CUDA
     assert (gpu["gpu_memory_utilization"], gpu["enable_sleep_mode"]) == (0.45, True)
     # under a launcher the engines join its processes, in groups of the tensor-parallel size
-    tp = GenerationSection(vllm_tensor_parallel_size=2)
+    tp = GenerationSection(vllm={"tensor_parallel_size": 2})
     launched = engine_settings(tp, True, torch.bfloat16, max_len=256, seed=3, world=4)
     assert launched["distributed_executor_backend"] == "external_launcher"
     assert launched["tensor_parallel_size"] == 2
@@ -193,8 +193,8 @@ def test_the_vllm_engine_settings_follow_the_recipe_on_cuda_only():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_vllm_engine_computes_in_the_dtype_it_is_given_on_cuda(dtype):
+    from rlhf_cli.generation.vllm import engine_settings
     from rlhf_cli.recipe import GenerationSection
-    from rlhf_cli.vllm_engine import engine_settings
 
     settings = engine_settings(GenerationSection(), True, dtype, max_len=64, seed=0)
     assert settings["dtype"] == str(dtype).removeprefix("torch.")
@@ -203,8 +203,8 @@ def test_the_vllm_engine_computes_in_the_dtype_it_is_given_on_cuda(dtype):
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_processes_is_refused():
     from rlhf_cli.errors import ModelLoadError
-    from rlhf_cli.vllm_engine import tensor_parallel_group
+    from rlhf_cli.generation.vllm import tensor_parallel_group
 
-    with pytest.raises(ModelLoadError, match="vllm_tensor_parallel_size: 2 does not divide the 3"):
+    with pytest.raises(ModelLoadError, match="vllm.tensor_parallel_size: 2 does not divide the 3"):
         tensor_parallel_group(3, 2)
     assert tensor_parallel_group(1, 1) is None and tensor_parallel_group(4, 1) is None

@@ -28,7 +28,7 @@ def test_no_reward_stage_means_no_scores_but_a_damaged_one_is_an_error(make_reci
 def test_the_vllm_engine_is_built_in_the_policy_dtype(make_recipe, monkeypatch, native_bf16, dtype):
     from types import SimpleNamespace
 
-    from rlhf_cli import vllm_engine
+    from rlhf_cli.generation import vllm as vllm_engine
 
     recipe = load_recipe(make_recipe({"model": {"dtype": "auto"}}))
     gen = recipe.ppo.generation.model_copy(update={"backend": "vllm"})

@@ -1,4 +1,4 @@
-"""The vLLM backend's own logic (`rlhf_cli/vllm_engine.py`) over a fake `vllm.LLM`: where its
+"""The vLLM backend's own logic (`rlhf_cli/generation/vllm.py`) over a fake `vllm.LLM`: where its
 answers land and when the engine sleeps. Runs without vLLM; the engine itself is tested against
 the HF policy in tests/stages/test_vllm_engine.py (`make test-vllm`)."""
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlhf_cli.generation.vllm import VLLMGenerator
 from rlhf_cli.recipe import GenerationSection
-from rlhf_cli.vllm_engine import VLLMGenerator
 
 EOS, PAD = 2, 0
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_cli.errors import ModelLoadError
-from rlhf_cli.generation import (
+from rlhf_cli.generation.core import (
     Generations,
     decode,
     left_pad,
@@ -86,7 +86,7 @@ class VLLMGenerator:
     tokenizer: Any
     stop_ids: list[int]
     device: torch.device  # where the returned tensors go (the policy's)
-    sleeps: bool = False  # `vllm_sleep`: asleep (level 1) after every `generate`
+    sleeps: bool = False  # `vllm.sleep`: asleep (level 1) after every `generate`
     group: Any = None  # the processes sharing this engine (tensor parallel), if more than one
     asleep: bool = field(default=False, init=False)  # since its last `sleep`, until `wake_up`
 
@@ -194,7 +194,7 @@ def vllm_generator(
     weights = {k: v.cpu().clone() for k, v in merged_weights(model).items()}
     on_gpu = torch.cuda.is_available()
     world = dist.get_world_size() if dist.is_initialized() else 1
-    group = tensor_parallel_group(world, gen.vllm_tensor_parallel_size)
+    group = tensor_parallel_group(world, gen.vllm.tensor_parallel_size)
     folder = scratch / ".vllm-weights"  # written once, read by every process's engine
     main = not dist.is_initialized() or dist.get_rank() == 0
     if main:
@@ -211,7 +211,7 @@ def vllm_generator(
             shutil.rmtree(folder, ignore_errors=True)
     device = next(model.parameters()).device
     stop_ids = stop_token_ids(tokenizer, model)
-    sleeps = on_gpu and gen.vllm_sleep
+    sleeps = on_gpu and gen.vllm.sleep
     return VLLMGenerator(llm, tokenizer, stop_ids, device, sleeps=sleeps, group=group)
 
 
@@ -225,7 +225,7 @@ def tensor_parallel_group(world: int, size: int) -> Any:
     alone); every process takes part in making the groups."""
     if world % size:
         raise ModelLoadError(
-            f"ppo.generation.vllm_tensor_parallel_size: {size} does not divide the "
+            f"ppo.generation.vllm.tensor_parallel_size: {size} does not divide the "
             f"{world} processes"
         )
     if world == 1 or size == 1:
@@ -250,14 +250,14 @@ def engine_settings(
     vLLM's compilation, the recipe's share of GPU memory, and sleep mode when the recipe asks
     for it. Under a launcher
     (`world` processes) the engines join the launcher's processes (`external_launcher`), each
-    group of `vllm_tensor_parallel_size` sharing one."""
+    group of `vllm.tensor_parallel_size` sharing one."""
     settings: dict[str, Any] = dict(
         dtype=str(dtype).removeprefix("torch.") if on_gpu else "float32",
         enforce_eager=not on_gpu,
         max_model_len=max_len,
         logprobs_mode="processed_logprobs",
         seed=seed,
-        tensor_parallel_size=gen.vllm_tensor_parallel_size,
+        tensor_parallel_size=gen.vllm.tensor_parallel_size,
     )
     if not on_gpu:
         settings["compilation_config"] = 0  # vllm.config.CompilationMode.NONE
@@ -265,7 +265,7 @@ def engine_settings(
         settings["distributed_executor_backend"] = "external_launcher"
     if on_gpu:
         settings.update(
-            gpu_memory_utilization=gen.vllm_gpu_memory_utilization,
-            enable_sleep_mode=gen.vllm_sleep,
+            gpu_memory_utilization=gen.vllm.gpu_memory_utilization,
+            enable_sleep_mode=gen.vllm.sleep,
         )
     return settings
