@@ -18,19 +18,33 @@ History = list[dict[str, Any]]
 @dataclass(frozen=True)
 class Range:
     """One row of the guide's table. `band` is the numeric healthy range (None where the guide
-    describes a trend instead), `low` / `high` open-ended when None."""
+    describes a trend instead), `low` / `high` open-ended when None; a `relative` band is in
+    units of the run's first-iteration value of the metric."""
 
     metric: str
     healthy: str
     danger: str
     fix: str
     band: tuple[float | None, float | None] | None = None
+    relative: bool = False
 
-    def healthy_now(self, value: float) -> bool | None:
-        """Whether `value` lies in the band (None when the row has no numeric band)."""
-        if self.band is None:
+    def limits(self, first: float | None = None) -> tuple[float | None, float | None] | None:
+        """The band in the metric's units (None without a band, or when a relative band has
+        no first value)."""
+        if self.band is None or not self.relative:
+            return self.band
+        if first is None:
             return None
         low, high = self.band
+        return (None if low is None else low * first, None if high is None else high * first)
+
+    def healthy_now(self, value: float, first: float | None = None) -> bool | None:
+        """Whether `value` lies in the band (None when the row has no numeric band); `first`:
+        the run's first-iteration value, for a relative band."""
+        band = self.limits(first)
+        if band is None:
+            return None
+        low, high = band
         return (low is None or value >= low) and (high is None or value <= high)
 
 
@@ -69,12 +83,16 @@ RANGES: dict[str, Range] = {
             "High: reduce LR. Low: reduce KL coef",
             band=(0.10, 0.35),
         ),
+        # The guide's 3.0 and 1.0 nats are a base model's at T 0.8 (6.2 at its iteration 0);
+        # an instruct model starts under 1 nat per token. So the band is the guide's shares of
+        # the run's own start: above half of it, collapse below a sixth.
         Range(
             "objective/entropy",
-            "slow decrease, stays above 3.0",
-            "collapses to < 1.0 quickly",
+            "slow decrease, stays above half its first value (the guide: 3.0 from 6.2)",
+            "collapses below a sixth of its first value quickly (the guide: < 1.0)",
             "Increase c₂ (entropy coefficient, ppo.entropy_coef)",
-            band=(3.0, None),
+            band=(0.5, None),
+            relative=True,
         ),
     ]
 }
@@ -127,8 +145,8 @@ RULES = [
     _rule(
         "entropy_collapse",
         "objective/entropy",
-        "entropy collapsed below 1.0",
-        lambda v, it, h: v < 1.0,
+        "entropy collapsed below a sixth of its first-iteration value",
+        lambda v, it, h: bool(h) and v < h[0].get("objective/entropy", 0.0) / 6,
     ),
     _rule(
         "value_loss_high",
@@ -165,13 +183,14 @@ class HealthMonitor:
         return fired
 
 
-def _band_text(band: tuple[float | None, float | None] | None) -> str:
-    if band is None:
+def _band_text(r: Range) -> str:
+    if r.band is None:
         return "—"
-    low, high = band
+    low, high = r.band
+    unit = " × first value" if r.relative else ""
     if high is None:
-        return f"≥ {low:g}"
-    return f"≤ {high:g}" if low is None else f"{low:g} – {high:g}"
+        return f"≥ {low:g}{unit}"
+    return f"≤ {high:g}{unit}" if low is None else f"{low:g} – {high:g}{unit}"
 
 
 def ranges_markdown() -> str:
@@ -181,7 +200,7 @@ def ranges_markdown() -> str:
         "|---|---|---|---|---|",
     ]
     lines += [
-        f"| `{r.metric}` | {r.healthy} | {_band_text(r.band)} | {r.danger} | {r.fix} |"
+        f"| `{r.metric}` | {r.healthy} | {_band_text(r)} | {r.danger} | {r.fix} |"
         for r in RANGES.values()
     ]
     return "\n".join(lines)

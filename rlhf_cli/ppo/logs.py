@@ -112,8 +112,12 @@ class RunLogs:
         """The guide's every-N-iterations health block, with a sample prompt and response;
         each value with a healthy band (`health.RANGES`) is marked ok or check."""
 
+        first = self.history[0] if self.history else {}
+
         def mark(key: str) -> str:
-            healthy = RANGES[key].healthy_now(m[key]) if key in RANGES and key in m else None
+            healthy = None
+            if key in RANGES and key in m:
+                healthy = RANGES[key].healthy_now(m[key], first.get(key))
             return {True: " [green]ok[/]", False: " [yellow]check[/]", None: ""}[healthy]
 
         c = self.console

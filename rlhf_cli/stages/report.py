@@ -67,10 +67,12 @@ def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             style = {"marker": "o", "markersize": 3} if len(x) < len(steps) else {}
             ax.plot(x, y, label=key, linewidth=1.4, **style)
         health = RANGES.get(keys[0])
-        if health is not None and health.band is not None:
-            bottom, top = band_limits([r.get(keys[0]) for r in rows], health.band)
+        first = rows[0].get(keys[0]) if rows else None
+        band = health.limits(first) if health is not None else None
+        if band is not None:
+            bottom, top = band_limits([r.get(keys[0]) for r in rows], band)
             ax.set_ylim(bottom, top)
-            low, high = health.band
+            low, high = band
             ax.axhspan(
                 bottom if low is None else low,
                 top if high is None else high,

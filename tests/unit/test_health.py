@@ -18,11 +18,12 @@ def test_healthy_metrics_fire_nothing():
 def test_each_danger_fires_once_with_its_fix():
     monitor = HealthMonitor()
     bad = {**HEALTHY, "objective/kl": 30.0, "objective/entropy": 0.5}
-    first = monitor.check(bad, 5, [])
+    history = [HEALTHY, bad]  # entropy 4.0 at the first iteration
+    first = monitor.check(bad, 5, history)
     assert len(first) == 2
     assert any("KL jumped above 25" in m and "Increase β, reduce learning rate" in m for m in first)
     assert any("Increase c₂" in m for m in first)
-    assert monitor.check(bad, 6, []) == []  # once per kind of problem
+    assert monitor.check(bad, 6, history) == []  # once per kind of problem
 
 
 def test_thresholds_that_depend_on_the_iteration():
@@ -58,7 +59,13 @@ def test_bands_say_what_the_guide_says():
         clip.healthy_now(0.36),
         clip.healthy_now(0.09),
     ) == (True, True, False, False)
-    assert (entropy.healthy_now(3.0), entropy.healthy_now(2.99)) == (True, False)
+    # relative to the run's first value: the guide's 3.0 of its 6.2 start is about half
+    assert (entropy.healthy_now(3.1, first=6.2), entropy.healthy_now(3.09, first=6.2)) == (
+        True,
+        False,
+    )
+    assert entropy.healthy_now(0.5, first=0.9) is True  # an instruct model's start
+    assert entropy.healthy_now(0.5) is None  # no first value yet: no verdict
     assert RANGES["env/reward_mean"].healthy_now(-5.0) is None  # a trend, not a band
 
 
@@ -69,3 +76,17 @@ def test_the_troubleshooting_table_is_the_rules_the_loop_checks():
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md"
     assert rules_markdown() in doc.read_text(), "paste rules_markdown() into troubleshooting.md"
+
+
+def test_entropy_collapse_is_measured_against_the_runs_own_start():
+    from rlhf_cli.ppo.health import HealthMonitor
+
+    def fired(first: float, now: float) -> list[str]:
+        history = [{"objective/entropy": first}, {"objective/entropy": now}]
+        return HealthMonitor().check(history[-1], 2, history)
+
+    assert fired(0.8, 0.7) == []  # an instruct model at T 0.8 sits under 1 nat: healthy
+    assert fired(6.2, 1.1) == []  # the guide's base model above its 1.0 line
+    (message,) = fired(6.2, 1.0)
+    assert "entropy collapsed below a sixth" in message and "ppo.entropy_coef" in message
+    assert len(fired(0.8, 0.1)) == 1
