@@ -344,9 +344,18 @@ class RewardSection(TrainerSection):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
         "auto", "Reward model dtype (`auto` as in `model.dtype`)."
     )
+    input: Literal["auto", "pair", "template"] = _f(
+        "auto",
+        "How (prompt, response) reaches the reward model: `pair` tokenises them as a text pair, "
+        "`tokenizer(prompt, response)` (what sequence-pair classifiers such as the OpenAssistant "
+        "DeBERTa were trained on); `template` tokenises `reward.template`'s one text; `auto` is "
+        "`pair` when the reward tokenizer has CLS and SEP tokens (BERT-, DeBERTa-, RoBERTa-like "
+        "encoders), else `template`. train-rm and scoring use the same.",
+    )
     template: str = _f(
         "Human: {prompt}\n\nAssistant: {response}",
-        "How (prompt, response) becomes the reward model's input text.",
+        "How (prompt, response) becomes one text: the reward model's input with "
+        "`reward.input: template`, and the `query` sent to `reward.url`.",
     )
     max_length: int = _f(
         512, "Reward tokenizer max length; longer texts are truncated and counted.", gt=0

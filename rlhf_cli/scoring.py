@@ -1,7 +1,8 @@
 """Reward scoring of (prompt, response) text, batched, with truncation counted (never silent).
 
 The reward model may have its own tokenizer (DeBERTa beside Mistral in the guide, MiniLM beside
-the tiny Llama): scoring always works on decoded text run through `reward.template`.
+the tiny Llama): scoring always works on decoded text, tokenised as `reward.input` says: the
+text pair `tokenizer(prompt, response)` (`pair`), or `reward.template`'s one text (`template`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,25 @@ import torch
 from rlhf_cli.generation import position_ids_from
 from rlhf_cli.rewards import RewardFn, call_reward_function
 
+Features = dict[str, list[list[int]]]  # `input_ids`, and `token_type_ids` where encoded as pairs
+
+
+def pair_input(tokenizer: Any) -> str:
+    """`reward.input: auto`'s choice for this reward tokenizer: `pair` when it has both a CLS and
+    a SEP token, the mark of an encoder that reads text pairs as `[CLS] a [SEP] b [SEP]` (BERT,
+    DeBERTa, RoBERTa, ELECTRA; the guide's OpenAssistant reward model), else `template` (decoders
+    such as Llama, Mistral, Qwen or GPT-2 have no SEP token and read one text)."""
+    if tokenizer is not None and tokenizer.cls_token is not None:
+        if tokenizer.sep_token is not None:
+            return "pair"
+    return "template"
+
 
 @dataclass
 class RewardScorer:
     """The reward: the reward model's score of each text (when there is a model) plus each
-    rule-based function's reward times its weight (`functions`: (spec, callable, weight))."""
+    rule-based function's reward times its weight (`functions`: (spec, callable, weight)).
+    `input` is `pair`, `template` or `auto` (resolved once, by `pair_input`)."""
 
     model: Any
     tokenizer: Any
@@ -28,9 +43,11 @@ class RewardScorer:
     max_length: int
     batch_size: int = 16
     functions: list[tuple[str, RewardFn, float]] = field(default_factory=list)
+    input: str = "template"
 
     def __post_init__(self) -> None:
-        """Make the model pad with the tokenizer's pad id, once, for every path that scores.
+        """Resolve `input: auto`, and make the model pad with the tokenizer's pad id, once, for
+        every path that scores.
 
         A decoder's sequence-classification head (transformers' `*ForSequenceClassification`)
         scores the last token that is not `config.pad_token_id`, whatever the attention mask
@@ -38,6 +55,8 @@ class RewardScorer:
         would score a pad token. A tokenizer without a pad token is given its EOS token as pad
         (as `modeling.load_tokenizer` does); one with neither is refused.
         """
+        if self.input == "auto":
+            self.input = pair_input(self.tokenizer)
         if self.tokenizer is None:
             return
         if self.tokenizer.pad_token is None:
@@ -56,51 +75,58 @@ class RewardScorer:
             for p, r in zip(prompts, responses, strict=True)
         ]
 
-    def encode(self, prompts: list[str], responses: list[str]) -> tuple[list[list[int]], int]:
-        """Token ids of each pair's template text within `max_length`, and how many texts were
-        longer and cut. A text that fits is tokenised as it is; one that does not keeps its whole
+    def encode(self, prompts: list[str], responses: list[str]) -> tuple[Features, int]:
+        """Each pair's tokens within `max_length`, and how many pairs were longer and cut. A pair
+        that fits is tokenised as it is: `tokenizer(prompt, response)` with `input: pair` (its
+        `input_ids`, and its `token_type_ids` where the tokenizer gives them), the template's
+        text with `input: template` (`input_ids` alone); one that does not fit keeps its whole
         response and loses the start of its prompt (see `_fit`)."""
-        texts = self.texts(prompts, responses)
-        if not texts:  # fast tokenizers raise on an empty batch
-            return [], 0
-        ids = self.tokenizer(texts, truncation=False, add_special_tokens=True)["input_ids"]
+        pairs = list(zip(prompts, responses, strict=True))
+        if not pairs:  # fast tokenizers raise on an empty batch
+            return {"input_ids": []}, 0
+        if self.input == "pair":
+            features = self._tokenize(prompts, responses)
+        else:
+            features = self._tokenize(self.texts(prompts, responses))
         n_truncated = 0
-        for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-            if len(ids[i]) > self.max_length:
-                ids[i] = self._fit(prompt, response)
+        for i, (prompt, response) in enumerate(pairs):
+            if len(features["input_ids"][i]) > self.max_length:
+                for key, value in self._fit(prompt, response).items():
+                    features[key][i] = value
                 n_truncated += 1
-        return ids, n_truncated
+        return features, n_truncated
 
-    def _fit(self, prompt: str, response: str) -> list[int]:
-        """Ids of a pair too long for `max_length`, cut to fit: the prompt loses its start (its
+    def _fit(self, prompt: str, response: str) -> dict[str, list[int]]:
+        """Tokens of a pair too long for `max_length`, cut to fit: the prompt loses its start (its
         end, next to the response, stays) so that the whole response survives. Where the
-        response with the template's own text is too long alone, the prompt goes and the
-        response loses its start instead: its end (whether it finished, its conclusion) and the
-        template stay. Only a template longer than `max_length` by itself is cut by the
-        tokenizer (on its `truncation_side`)."""
-        ids = self._longest_end(prompt, lambda s: self.template.format(prompt=s, response=response))
+        response is too long even with an empty prompt, the prompt goes and the response loses
+        its start instead: its end (whether it finished, its conclusion) and the template (or
+        the pair's special tokens) stay. Only a template longer than `max_length` by itself is
+        cut by the tokenizer (on its `truncation_side`)."""
+        ids = self._longest_end(prompt, lambda s: self._one(s, response))
         if ids is None:
-            ids = self._longest_end(response, lambda s: self.template.format(prompt="", response=s))
+            ids = self._longest_end(response, lambda s: self._one("", s))
         if ids is None:
-            text = self.template.format(prompt="", response="")
-            ids = self.tokenizer(text, truncation=True, max_length=self.max_length)["input_ids"]
+            ids = self._one("", "", truncation=True, max_length=self.max_length)
         return ids
 
-    def _longest_end(self, piece: str, fill: Callable[[str], str]) -> list[int] | None:
-        """Ids of `fill(end of piece)` for the longest end of `piece` (cut where one of its
-        tokens starts; whitespace at the cut dropped) whose whole text fits `max_length`, or None
-        when even `fill("")` does not. A binary search, each candidate checked on the whole
-        text's tokens (pieces tokenised apart can differ at the seams); the whole piece is known
+    def _longest_end(
+        self, piece: str, fill: Callable[[str], dict[str, list[int]]]
+    ) -> dict[str, list[int]] | None:
+        """Tokens of `fill(end of piece)` for the longest end of `piece` (cut where one of its
+        tokens starts; whitespace at the cut dropped) whose whole input fits `max_length`, or
+        None when even `fill("")` does not. A binary search, each candidate checked on the whole
+        input's tokens (pieces tokenised apart can differ at the seams); the whole piece is known
         not to fit."""
-        best = self._ids(fill(""))
-        if len(best) > self.max_length:
+        best = fill("")
+        if len(best["input_ids"]) > self.max_length:
             return None
         starts = self._token_starts(piece)  # starts[-1] == len(piece), the empty end, fits
         lo, hi = -1, len(starts) - 1  # -1: the whole piece, too long
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            ids = self._ids(fill(piece[starts[mid] :].lstrip()))
-            if len(ids) <= self.max_length:
+            ids = fill(piece[starts[mid] :].lstrip())
+            if len(ids["input_ids"]) <= self.max_length:
                 hi, best = mid, ids
             else:
                 lo = mid
@@ -115,8 +141,18 @@ class RewardScorer:
         starts = {start for start, _ in offsets["offset_mapping"] if 0 < start < len(piece)}
         return [*sorted(starts), len(piece)]
 
-    def _ids(self, text: str) -> list[int]:
-        return self.tokenizer(text, truncation=False, add_special_tokens=True)["input_ids"]
+    def _one(self, prompt: str, response: str, **truncation: Any) -> dict[str, list[int]]:
+        """One pair's tokens, as `encode` tokenises a pair that fits."""
+        if self.input == "pair":
+            return self._tokenize(prompt, response, **truncation)
+        return self._tokenize(self.template.format(prompt=prompt, response=response), **truncation)
+
+    def _tokenize(self, *texts: Any, truncation: bool = False, **kwargs: Any) -> dict[str, Any]:
+        """The tokenizer's `input_ids` of `texts` (one text, a text pair, or batches of either),
+        with its `token_type_ids` too when it gives them for pairs (`input: pair`)."""
+        out = self.tokenizer(*texts, truncation=truncation, add_special_tokens=True, **kwargs)
+        keys = ("input_ids", "token_type_ids") if self.input == "pair" else ("input_ids",)
+        return {key: out[key] for key in keys if key in out}
 
     @torch.inference_mode()
     def score(self, prompts: list[str], responses: list[str]) -> tuple[torch.Tensor, int]:
@@ -136,16 +172,15 @@ class RewardScorer:
         forward takes `position_ids`), so a model with absolute positions scores a text the same
         padded or alone. Right-padded batches keep the model's own positions (an encoder such as
         RoBERTa numbers its positions from an offset)."""
-        ids, n_truncated = self.encode(prompts, responses)
+        features, n_truncated = self.encode(prompts, responses)
         device = next(self.model.parameters()).device
         positions = self.tokenizer.padding_side == "left" and (
             "position_ids" in inspect.signature(self.model.forward).parameters
         )
         scores = []
-        for start in range(0, len(ids), self.batch_size):
-            batch = self.tokenizer.pad(
-                {"input_ids": ids[start : start + self.batch_size]}, return_tensors="pt"
-            ).to(device)
+        for start in range(0, len(features["input_ids"]), self.batch_size):
+            rows = {key: value[start : start + self.batch_size] for key, value in features.items()}
+            batch = self.tokenizer.pad(rows, return_tensors="pt").to(device)
             if positions:
                 batch["position_ids"] = position_ids_from(batch["attention_mask"])
             scores.append(self.model(**batch).logits[:, 0].float().cpu())

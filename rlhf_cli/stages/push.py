@@ -58,7 +58,7 @@ def _how_it_was_made(recipe: Recipe, run: RunDir) -> list[str]:
         f"| SFT | {sft_settings} | {_metrics(sft, lambda k: k.startswith('eval_loss'))} |",
         f"| Reward model | {reward.pretrained or reward.base_model or 'none'}"
         f"{' + ' + ', '.join(f.function for f in reward.functions) if reward.functions else ''}"
-        f", template "
+        f", input {reward.input}, template "
         f"`{reward.template!r}`, max length {reward.max_length} | "
         f"{_metrics(rm, lambda k: k in ('eval_accuracy', 'eval_margin'))} |",
         f"| PPO | {p.iterations} iterations, batch {p.batch_size}, lr {p.learning_rate}, "

@@ -1,18 +1,22 @@
 """Stage 2 of 4 (the guide's stage 3): a reward model from preference pairs, with TRL's
 RewardTrainer.
 
-Pairs are pre-tokenised here (`chosen_ids` / `rejected_ids`) through `reward.template`, the same
-text PPO scores later, truncated to `reward.max_length` with the count reported. TRL then skips
-its own processing, which also avoids its need for an EOS token (MiniLM has none).
+Pairs are pre-tokenised here (`chosen_ids` / `rejected_ids`, and their token type ids for
+pair-encoding tokenizers) by the scorer PPO uses later, so as `reward.input` says (a text pair,
+or `reward.template`'s text), truncated to `reward.max_length` with the count reported. TRL then
+skips its own processing, which also avoids its need for an EOS token (MiniLM has none).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from rich.console import Console
+from trl.trainer.reward_trainer import DataCollatorForPreference
+from trl.trainer.utils import pad
 
 from rlhf_cli.data import load_preferences, split_eval
 from rlhf_cli.errors import StageError
@@ -82,7 +86,7 @@ def run_train_rm(recipe: Recipe, console: Console, resume: bool = False) -> dict
         StageRecord(run, "rm", recipe, inputs={}, write=is_main) as record,
         trackers.environment(),
     ):
-        # 1. Data and model: pairs → template text → reward-tokenizer ids, truncation counted.
+        # 1. Data and model: pairs → reward-tokenizer ids (`reward.input`), truncation counted.
         data = setup(recipe, run, device, record)
         start = pairwise_eval(data.scorer, data.eval_pairs)  # the fresh weights, also on resume
 
@@ -100,14 +104,16 @@ class RewardData(NamedTuple):
     scorer: RewardScorer  # on the model being trained
     train_pairs: list[dict[str, str]]
     eval_pairs: list[dict[str, str]]
-    train_ds: Any  # pre-tokenised `chosen_ids` / `rejected_ids`
+    train_ds: Any  # pre-tokenised `chosen_ids` / `rejected_ids` (+ `*_token_type_ids`)
     n_truncated: int  # training texts longer than reward.max_length
 
 
 def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord) -> RewardData:
     """The scorer on the untrained model, the train / held-out pairs, and the pre-tokenised
-    training set (`chosen_ids`, `rejected_ids`): TRL then skips its own processing, which also
-    avoids its need for an EOS token."""
+    training set (`chosen_ids`, `rejected_ids`, and `chosen_token_type_ids`,
+    `rejected_token_type_ids` where pairs are encoded with token types), each exactly as the
+    scorer encodes it: TRL then skips its own processing, which also avoids its need for an EOS
+    token."""
     from datasets import Dataset
 
     cfg = recipe.reward
@@ -125,11 +131,16 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
     )
     dtype = cfg.dtype if cfg.lora.enabled else "float32"  # fully trained: fp32 master weights
     model = load_reward_model(cfg.base_model, device, dtype, cfg.trust_remote_code)
-    scorer = RewardScorer(model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size)
+    scorer = RewardScorer(
+        model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size, input=cfg.input
+    )
     prompts = [p["prompt"] for p in train_pairs]
     encoded, n_truncated = {}, 0
     for side in ("chosen", "rejected"):
-        encoded[f"{side}_ids"], count = scorer.encode(prompts, [p[side] for p in train_pairs])
+        features, count = scorer.encode(prompts, [p[side] for p in train_pairs])
+        encoded[f"{side}_ids"] = features["input_ids"]
+        if "token_type_ids" in features:
+            encoded[f"{side}_token_type_ids"] = features["token_type_ids"]
         n_truncated += count
     if n_truncated:
         record.warn(
@@ -142,6 +153,29 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
         # The adapter and the score head train in fp32 (peft leaves the head in the base dtype).
         scorer.model = upcast_trainable(get_peft_model(model, lora_config(cfg.lora, "SEQ_CLS")))
     return RewardData(scorer, train_pairs, eval_pairs, Dataset.from_dict(encoded), n_truncated)
+
+
+@dataclass
+class PreferenceCollator(DataCollatorForPreference):
+    """TRL's preference batches (chosen rows, then rejected rows, right-padded), plus the pairs'
+    `token_type_ids` padded the same way when the data set has them: TRL's collator drops
+    them, and a BERT-like model would then train on segment 0 only while scoring reads 0 / 1."""
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = super().torch_call(examples)
+        if "chosen_token_type_ids" in examples[0]:
+            types = [
+                torch.tensor(example[f"{side}_token_type_ids"])
+                for side in ("chosen", "rejected")
+                for example in examples
+            ]
+            batch["token_type_ids"] = pad(
+                types,
+                padding_value=0,
+                padding_side="right",
+                pad_to_multiple_of=self.pad_to_multiple_of,
+            )
+        return batch
 
 
 def train(
@@ -169,13 +203,17 @@ def train(
         recipe.model.gradient_checkpointing,
     )
     kwargs["eval_strategy"] = "no"  # held-out pairs are scored by `pairwise_eval` instead
-    args = RewardConfig(**kwargs, max_length=cfg.max_length)
+    # the token type columns reach `PreferenceCollator` (TRL would keep only `chosen_ids`, ...)
+    args = RewardConfig(**kwargs, max_length=cfg.max_length, remove_unused_columns=False)
     stage = StageCallback(console, "train-rm")
     trainer = RewardTrainer(
         model=data.scorer.model,
         args=args,
         processing_class=data.scorer.tokenizer,
         train_dataset=data.train_ds,
+        data_collator=PreferenceCollator(
+            data.scorer.tokenizer.pad_token_id, pad_to_multiple_of=args.pad_to_multiple_of
+        ),
         callbacks=[stage],
     )
     drop_printer(trainer)
@@ -217,6 +255,7 @@ def save(
         "metrics": "metrics.jsonl",
         "train_prompts": "train_prompts.json",
     }
+    record.manifest["input"] = scorer.input  # `auto` resolved: pair or template
     record.manifest["template"] = cfg.template
     record.manifest["max_length"] = cfg.max_length
     record.manifest["metrics"] = {

@@ -181,8 +181,8 @@ def frozen_scorer(
     cfg: RewardSection, model_path: str | None, tokenizer_path: str | None, device: torch.device
 ) -> RewardScorer:
     """A frozen reward model (eval mode, dropout off) with its own tokenizer (right padding)
-    as a scorer of `cfg.template` texts, plus `reward.functions` and `reward.url`; those alone
-    when `model_path` is None."""
+    as a scorer of (prompt, response) encoded as `cfg.input` says, plus `reward.functions` and
+    `reward.url`; those alone when `model_path` is None."""
     from rlhf_cli.rewards import RemoteReward, load_reward_function
 
     functions = [(f.function, load_reward_function(f.function), f.weight) for f in cfg.functions]
@@ -195,7 +195,7 @@ def frozen_scorer(
         set_dropout(model, 0.0)
         tokenizer = load_tokenizer(tokenizer_path or model_path, cfg.trust_remote_code, "right")
     return RewardScorer(
-        model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size, functions
+        model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size, functions, cfg.input
     )
 
 

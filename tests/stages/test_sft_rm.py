@@ -169,6 +169,7 @@ def test_rm_manifest_and_accuracy(rm) -> None:
     assert metrics["train_pairs"] == 96 and metrics["eval_pairs"] == 24
     assert metrics["truncated_texts"] == 0 and manifest["warnings"] == []
     assert manifest["template"] == recipe.reward.template
+    assert manifest["input"] == recipe.reward.input == "template"  # the tiny recipe's choice
     evaluation = json.loads((run.stage_dir("rm") / "eval.json").read_text())
     assert evaluation["after"]["accuracy"] == metrics["eval_accuracy"]
     assert evaluation["eval_pairs"] == 24
@@ -186,7 +187,9 @@ def test_rm_model_reloads_and_prefers_chosen(rm) -> None:
     model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(run.resolve_output("rm", manifest, "tokenizer"))
     assert model.config.num_labels == 1
-    scorer = RewardScorer(model, tokenizer, recipe.reward.template, recipe.reward.max_length)
+    scorer = RewardScorer(
+        model, tokenizer, recipe.reward.template, recipe.reward.max_length, input="template"
+    )
     prompt = "How do I keep my kitchen knives sharp?"
     scores, n_truncated = scorer.score(
         [prompt, prompt],
@@ -199,6 +202,52 @@ def test_rm_model_reloads_and_prefers_chosen(rm) -> None:
     assert scores[0] > scores[1]
     train_prompts = json.loads((run.stage_dir("rm") / "train_prompts.json").read_text())
     assert len(train_prompts) <= 96 and train_prompts == sorted(train_prompts)
+
+
+def test_pair_input_trains_on_the_scorers_encoding_with_its_token_types(
+    small_recipe, tmp_path: Path
+) -> None:
+    """`reward.input: pair` on MiniLM: train-rm's chosen / rejected rows are the scorer's
+    encoding, `tokenizer(prompt, answer)` with its token types, and those types reach the model
+    in training (TRL's own collator would drop them)."""
+    from rlhf_cli.rundir import StageRecord
+    from rlhf_cli.stages.reward import setup, train
+    from rlhf_cli.tracking import Trackers
+
+    updates = {
+        "data": {"preferences": {"max_samples": 20, "eval_fraction": 0.2}},
+        "reward": {"input": "pair", "batch_size": 8},
+    }
+    recipe, cpu = load_recipe(small_recipe(tmp_path, updates)), torch.device("cpu")
+    run = RunDir.for_recipe(recipe)
+    with StageRecord(run, "rm", recipe, inputs={}) as record:
+        data = setup(recipe, run, cpu, record)
+        prompts = [p["prompt"] for p in data.train_pairs]
+        for side in ("chosen", "rejected"):
+            answers = [p[side] for p in data.train_pairs]
+            tokenized = data.scorer.tokenizer(prompts, answers)
+            features, _ = data.scorer.encode(prompts, answers)
+            assert data.train_ds[f"{side}_ids"] == features["input_ids"]
+            assert data.train_ds[f"{side}_ids"] == tokenized["input_ids"]
+            assert data.train_ds[f"{side}_token_type_ids"] == features["token_type_ids"]
+            assert data.train_ds[f"{side}_token_type_ids"] == tokenized["token_type_ids"]
+        assert data.n_truncated == 0 and data.scorer.input == "pair"
+        seen: list[torch.Tensor] = []
+        data.scorer.model.register_forward_pre_hook(
+            lambda module, args, kwargs: (
+                seen.append(kwargs.get("token_type_ids")) if module.training else None
+            ),
+            with_kwargs=True,
+        )
+        train(
+            recipe,
+            data,
+            cpu,
+            (record, QUIET),
+            Trackers.for_stage(recipe.run, "rm", record.dir),
+            None,
+        )
+    assert seen and all(types is not None and types.max() == 1 for types in seen)
 
 
 def test_pretrained_reward_is_a_stage_error(small_recipe, tmp_path: Path) -> None:

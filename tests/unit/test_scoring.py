@@ -10,6 +10,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from torch.testing import assert_close
 from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
     GPT2Config,
     GPT2ForSequenceClassification,
     LlamaConfig,
@@ -17,7 +19,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from rlhf_cli.scoring import RewardScorer
+from rlhf_cli.scoring import RewardScorer, pair_input
 
 # One id a word, so token counts can be worked out by hand: "<s>" first, then one id a word.
 VOCAB = {
@@ -81,6 +83,13 @@ def scorer(
     return RewardScorer(model, word_tokenizer(padding_side), template, max_length, batch_size)
 
 
+def encode_ids(s: RewardScorer, prompts: list[str], responses: list[str]):
+    """(input ids, n truncated) of a template-mode scorer, which gives input ids alone."""
+    features, n_truncated = s.encode(prompts, responses)
+    assert list(features) == ["input_ids"]
+    return features["input_ids"], n_truncated
+
+
 # Mixed lengths (5 to 17 tokens), so a batch of 16 pads all but the longest.
 PROMPTS = ["a", "a b c d e f", "b c", "g h a b c d e f g h", "c", "h"]
 RESPONSES = ["b", "c", "d e f g h", "a", "h g f", "a b"]
@@ -110,7 +119,9 @@ def test_texts_refuse_unequal_lists():
 def test_encode_counts_only_longer_texts_and_keeps_fitting_ones_as_tokenised():
     s = scorer(max_length=5, template="{prompt} {response}")
     # "<s>" + words: 4, 5, 6 and 8 tokens against max_length 5
-    ids, n_truncated = s.encode(["a", "a b", "a b c", "a b c d e"], ["b c", "c d", "d e", "f g"])
+    ids, n_truncated = encode_ids(
+        s, ["a", "a b", "a b c", "a b c d e"], ["b c", "c d", "d e", "f g"]
+    )
     assert n_truncated == 2  # exactly max_length is not truncated
     tokenizer = word_tokenizer()
     assert ids[:2] == [tokenizer("a b c")["input_ids"], tokenizer("a b c d")["input_ids"]]
@@ -120,8 +131,8 @@ def test_encode_counts_only_longer_texts_and_keeps_fitting_ones_as_tokenised():
 
 
 def test_encode_without_truncation():
-    ids, n_truncated = scorer(max_length=64, template="{prompt} {response}").encode(
-        ["Q : a", "h"], ["z", ""]
+    ids, n_truncated = encode_ids(
+        scorer(max_length=64, template="{prompt} {response}"), ["Q : a", "h"], ["z", ""]
     )
     assert n_truncated == 0
     assert ids == [[1, 4, 6, 7, 3], [1, 14]]  # z is unknown: <unk> = 3
@@ -133,7 +144,7 @@ def test_encode_refuses_unequal_lists():
 
 
 def test_encode_of_no_pairs():
-    assert scorer().encode([], []) == ([], 0)
+    assert scorer().encode([], []) == ({"input_ids": []}, 0)
 
 
 class SlowTokenizer:
@@ -165,7 +176,7 @@ def cut_scorer(max_length: int, slow: bool, template: str = TEMPLATE) -> RewardS
 @pytest.mark.parametrize("slow", [False, True])
 def test_a_long_prompt_loses_its_start_and_the_response_survives_whole(slow):
     # "<s> Q : a b c d e f g h A : b c" is 15 tokens; without the prompt 7, so 1 prompt word fits
-    ids, n_truncated = cut_scorer(8, slow).encode(["a b c d e f g h"], ["b c"])
+    ids, n_truncated = encode_ids(cut_scorer(8, slow), ["a b c d e f g h"], ["b c"])
     assert n_truncated == 1
     assert ids == [[1, 4, 6, 14, 5, 6, 8, 9]]  # <s> Q : h A : b c
     assert len(ids[0]) == 8
@@ -174,14 +185,14 @@ def test_a_long_prompt_loses_its_start_and_the_response_survives_whole(slow):
 @pytest.mark.parametrize("slow", [False, True])
 def test_a_response_too_long_alone_drops_the_prompt_and_keeps_its_own_end(slow):
     # "<s> Q : A :" is 5 tokens, the response 8 words: its last 3 fit
-    ids, n_truncated = cut_scorer(8, slow).encode(["a b"], ["a b c d e f g h"])
+    ids, n_truncated = encode_ids(cut_scorer(8, slow), ["a b"], ["a b c d e f g h"])
     assert n_truncated == 1
     assert ids == [[1, 4, 6, 5, 6, 12, 13, 14]]  # <s> Q : A : f g h
 
 
 @pytest.mark.parametrize("slow", [False, True])
 def test_a_template_too_long_alone_is_cut_by_the_tokenizer(slow):
-    ids, n_truncated = cut_scorer(4, slow).encode(["a"], ["b"])  # "<s> Q : A :" is 5 tokens
+    ids, n_truncated = encode_ids(cut_scorer(4, slow), ["a"], ["b"])  # "<s> Q : A :": 5 tokens
     assert n_truncated == 1
     assert ids == [[1, 4, 6, 5]]
 
@@ -190,13 +201,147 @@ def test_every_shortened_text_is_counted_and_fitting_ones_are_untouched():
     s = scorer(max_length=8)
     prompts = ["a", "a b c d e f g h", "a b", "a b"]
     responses = ["b", "b c", "a b c d e f g h", "d"]  # fits, prompt cut, response cut, exactly 8
-    ids, n_truncated = s.encode(prompts, responses)
+    ids, n_truncated = encode_ids(s, prompts, responses)
     assert n_truncated == 2
     assert all(len(x) <= 8 for x in ids)
     texts = s.texts(prompts, responses)
     assert ids[0] == s.tokenizer(texts[0])["input_ids"] == [1, 4, 6, 7, 5, 6, 8]
     assert ids[3] == s.tokenizer(texts[3])["input_ids"]
     assert ids[1][-2:] == [8, 9] and ids[2][-3:] == [12, 13, 14]
+
+
+# ── pair encoding: tokenizer(prompt, response), as sequence-pair classifiers read it ─────────
+
+CLS, SEP = 15, 16
+PAIR_VOCAB = {**VOCAB, "[CLS]": CLS, "[SEP]": SEP}
+
+
+def pair_tokenizer(token_types: bool = True) -> PreTrainedTokenizerFast:
+    """BERT's layout, one id a word: `[CLS] a [SEP]`, and `[CLS] a [SEP] b [SEP]` with token
+    types 0 then 1; `token_types=False` is a tokenizer that does not return them (RoBERTa)."""
+    backend = Tokenizer(models.WordLevel(vocab=PAIR_VOCAB, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", CLS), ("[SEP]", SEP)],
+    )
+    names = ["input_ids", "token_type_ids", "attention_mask"]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="right",
+        model_input_names=names if token_types else [names[0], names[2]],
+    )
+
+
+def pair_scorer(
+    max_length: int = 64, model=None, token_types: bool = True, slow: bool = False
+) -> RewardScorer:
+    s = RewardScorer(model, pair_tokenizer(token_types), TEMPLATE, max_length, input="pair")
+    if slow:
+        s.tokenizer = SlowTokenizer(s.tokenizer)
+    return s
+
+
+def test_pair_mode_encodes_the_text_pair_with_its_token_types():
+    prompts, responses = ["a b", "c"], ["d", "e f"]
+    features, n_truncated = pair_scorer().encode(prompts, responses)
+    assert n_truncated == 0
+    tokenized = pair_tokenizer()(prompts, responses)
+    assert features == {
+        "input_ids": tokenized["input_ids"],
+        "token_type_ids": tokenized["token_type_ids"],
+    }
+    assert features["input_ids"] == [[CLS, 7, 8, SEP, 10, SEP], [CLS, 9, SEP, 11, 12, SEP]]
+    assert features["token_type_ids"] == [[0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1]]
+
+
+def test_pair_mode_passes_no_token_types_where_the_tokenizer_gives_none():
+    features, _ = pair_scorer(token_types=False).encode(["a b"], ["d"])
+    assert features == {"input_ids": [[CLS, 7, 8, SEP, 10, SEP]]}
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_pair_mode_cuts_only_the_prompt_and_counts_it(slow):
+    # "a b" + "c d e" is 8 tokens, exactly max_length; "a b c d e f" + "g h" is 11: the prompt
+    # keeps its last 3 words, the response stays whole
+    prompts, responses = ["a b", "a b c d e f"], ["c d e", "g h"]
+    features, n_truncated = pair_scorer(max_length=8, slow=slow).encode(prompts, responses)
+    assert n_truncated == 1
+    tokenizer = pair_tokenizer()
+    assert features["input_ids"][0] == tokenizer("a b", "c d e")["input_ids"]
+    assert features["input_ids"][1] == tokenizer("d e f", "g h")["input_ids"]
+    assert features["input_ids"][1] == [CLS, 10, 11, 12, SEP, 13, 14, SEP]
+    assert features["token_type_ids"][1] == [0, 0, 0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_pair_mode_keeps_the_end_of_a_response_too_long_alone(slow):
+    # "[CLS] [SEP] ... [SEP]" is 3 tokens: the prompt goes, the response keeps its last 5 words
+    features, n_truncated = pair_scorer(max_length=8, slow=slow).encode(["a"], ["a b c d e f g h"])
+    assert n_truncated == 1
+    assert features["input_ids"] == [[CLS, SEP, 10, 11, 12, 13, 14, SEP]]
+    assert features["token_type_ids"] == [[0, 0, 1, 1, 1, 1, 1, 1]]
+
+
+def test_auto_is_pair_for_tokenizers_with_cls_and_sep_and_template_otherwise():
+    from rlhf_cli.modeling import load_tokenizer
+
+    assert pair_input(pair_tokenizer()) == "pair"
+    assert pair_input(load_tokenizer("builtin:minilm")) == "pair"  # BERT's WordPiece
+    assert pair_input(word_tokenizer()) == "template"  # a decoder's: BOS and EOS only
+    assert pair_input(None) == "template"  # rule-based rewards alone
+    no_cls = pair_tokenizer()
+    no_cls.cls_token = None
+    assert pair_input(no_cls) == "template"
+    assert RewardScorer(None, pair_tokenizer(), TEMPLATE, 8, input="auto").input == "pair"
+    assert RewardScorer(None, word_tokenizer(), TEMPLATE, 8, input="auto").input == "template"
+
+
+def tiny_bert() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(PAIR_VOCAB),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+        num_labels=1,
+    )
+    return BertForSequenceClassification(config).eval()
+
+
+def test_pair_scores_are_the_models_logits_on_each_pair_with_its_token_types():
+    model = tiny_bert()
+    batched, _ = pair_scorer(model=model).score(PROMPTS, RESPONSES)
+    tokenizer = pair_tokenizer()
+    with torch.no_grad():
+        alone = [
+            model(**tokenizer(p, r, return_tensors="pt")).logits[0, 0]
+            for p, r in zip(PROMPTS, RESPONSES, strict=True)
+        ]
+        untyped = model(
+            **tokenizer(PROMPTS[0], RESPONSES[0], return_token_type_ids=False, return_tensors="pt")
+        ).logits[0, 0]
+    assert_close(batched, torch.stack(alone), rtol=1e-5, atol=1e-5)
+    assert not torch.isclose(batched[0], untyped)  # the token types reached the model
+
+
+def test_an_unknown_reward_input_is_one_line_naming_the_choices(make_recipe):
+    from rlhf_cli.errors import RecipeError
+    from rlhf_cli.recipe import load_recipe
+
+    with pytest.raises(RecipeError) as info:
+        load_recipe(make_recipe({"reward": {"input": "pairs"}}))
+    (problem,) = info.value.problems
+    assert "\n" not in problem
+    assert "reward.input: " in problem and "'auto', 'pair' or 'template'" in problem
 
 
 # ── scores ──────────────────────────────────────────────────────────────────────────────────
@@ -212,7 +357,7 @@ def test_scores_are_one_float32_per_pair_on_the_cpu(reward_model):
 def test_each_score_is_the_models_logit_on_that_text_alone(reward_model):
     s = scorer(reward_model)
     scores, _ = s.score(PROMPTS, RESPONSES)
-    ids, _ = s.encode(PROMPTS, RESPONSES)
+    ids, _ = encode_ids(s, PROMPTS, RESPONSES)
     with torch.no_grad():
         alone = [reward_model(input_ids=torch.tensor([x])).logits[0, 0] for x in ids]
     assert_close(scores, torch.stack(alone), rtol=1e-5, atol=1e-6)
@@ -313,7 +458,7 @@ def test_reward_truncation_is_counted_not_silent():
     scorer = RewardScorer(
         model=None, tokenizer=tokenizer, template="{prompt} {response}", max_length=16
     )
-    ids, n_truncated = scorer.encode(["short", "long " * 40], ["ok", "all done"])
+    ids, n_truncated = encode_ids(scorer, ["short", "long " * 40], ["ok", "all done"])
     assert n_truncated == 1
     assert max(len(x) for x in ids) == 16
     # WordPiece: [CLS] ... the response's tokens [SEP]
