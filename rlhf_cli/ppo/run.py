@@ -104,11 +104,12 @@ def live_audit(run: PPORun, iteration: int) -> dict[str, float]:
     """The in-training audit every `audit.every` iterations: its rates go into metrics.jsonl,
     and when it flags hacking β is raised by `audit.kl_coef_step` (on every process). Every
     process audits (the members of a tensor-parallel vLLM engine sample together); the main
-    process's report counts."""
+    process's report counts. It samples and scores in the precision of the rollout (autocast),
+    as the held-out evaluation does."""
     every, acc = run.recipe.audit.every, run.accelerator
     if run.hooks.audit is None or not every or iteration % every:
         return {}
-    with run.models.engine.gathered(run.models.actor) as actor:  # every process joins
+    with acc.autocast(), run.models.engine.gathered(run.models.actor) as actor:  # all join
         report = run.hooks.audit(actor)
     if not acc.is_main_process:
         report = None

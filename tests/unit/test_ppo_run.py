@@ -1,0 +1,74 @@
+"""Around the PPO iteration (ppo/run.py): the live audit and the held-out evaluation run in the
+rollout's precision, on every process, and only the main process's numbers are kept."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rlhf_cli.ppo.run import heldout_eval, live_audit
+
+REPORT = {
+    "hacking_detected": False,
+    "flags": [],
+    "verbosity_score": 0.1,
+    "sycophancy_score": 0.0,
+    "repetition_score": 0.0,
+    "avg_response_len": 12.0,
+}
+
+
+class FakeAccelerator:
+    is_main_process = True
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.in_autocast = False
+
+    @contextlib.contextmanager
+    def autocast(self):
+        self.in_autocast = True
+        try:
+            yield
+        finally:
+            self.in_autocast = False
+
+    def reduce(self, tensor: Any, op: str) -> Any:
+        return tensor
+
+
+def fake_run(seen: dict[str, bool]) -> Any:
+    acc = FakeAccelerator()
+    engine = SimpleNamespace(gathered=lambda actor: contextlib.nullcontext(actor))
+
+    def audit(actor: Any) -> dict[str, Any]:
+        seen["audit"] = acc.in_autocast
+        return REPORT
+
+    def evaluate(actor: Any) -> dict[str, float]:
+        seen["evaluate"] = acc.in_autocast
+        return {"eval/reward_mean": 1.0}
+
+    recipe = SimpleNamespace(
+        audit=SimpleNamespace(every=2, kl_coef_step=0.05),
+        ppo=SimpleNamespace(iterations=4, eval_every=None),
+    )
+    return SimpleNamespace(
+        recipe=recipe,
+        accelerator=acc,
+        models=SimpleNamespace(engine=engine, actor=object()),
+        hooks=SimpleNamespace(audit=audit, evaluate=evaluate),
+        state=SimpleNamespace(kl_ctl=SimpleNamespace(value=0.1, raise_by=lambda step: None)),
+        logs=SimpleNamespace(warn=lambda message: None),
+    )
+
+
+@pytest.mark.parametrize("hook", ["audit", "evaluate"])
+def test_live_audit_and_heldout_eval_sample_under_autocast(hook: str) -> None:
+    seen: dict[str, bool] = {}
+    run = fake_run(seen)
+    metrics = live_audit(run, 2) if hook == "audit" else heldout_eval(run, 4)
+    assert metrics and seen == {hook: True}
