@@ -616,10 +616,16 @@ class AuditSection(Section):
 class MergeSection(Section):
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = _f(
         "auto",
-        "Merge dtype (`auto` as in `model.dtype`: bfloat16 on GPUs that compute it natively, "
-        "else float32); never 4-bit.",
+        "dtype the merged model is saved in (`auto` as in `model.dtype`: bfloat16 on GPUs that "
+        "compute it natively, else float32); the merge itself runs in float32, then the model is "
+        "cast once; never 4-bit.",
     )
-    atol: float = _f(1e-3, "Largest allowed |logit difference| merged vs adapter model.", gt=0)
+    atol: float = _f(
+        1e-3,
+        "Largest allowed absolute logit difference of the float32 merge vs the adapter model, and "
+        "the floor of the bf16/fp16 check (16 rounding steps of the dtype at the largest logit).",
+        gt=0,
+    )
 
 
 class PushSection(Section):

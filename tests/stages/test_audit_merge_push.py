@@ -189,19 +189,36 @@ def test_merge_sft_of_a_full_finetune_has_nothing_to_merge(trained: Trained) -> 
         run_merge(trained.recipe, QUIET, stage="sft")
 
 
-def test_merge_sft_of_a_lora_sft_run(small_recipe, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def lora_sft(small_recipe: Callable[..., Path], tmp_path_factory) -> Path:
+    """A LoRA SFT run (1 epoch on 32 rows) once for the module: its folder."""
+    from rlhf_cli.stages.sft import run_sft
+
+    folder = tmp_path_factory.mktemp("lora_sft")
+    run_sft(load_recipe(small_recipe(folder, LORA_SFT)), QUIET)
+    return folder
+
+
+LORA_SFT: dict[str, Any] = {
+    "sft": {"full_finetune": False, "epochs": 1},
+    "data": {"sft": {"max_samples": 32}},
+}
+
+
+def lora_sft_recipe(
+    lora_sft: Path, tmp_path: Path, small_recipe: Callable[..., Path], dtype: str
+) -> Recipe:
+    """The LoRA SFT run (without a merge) in tmp_path, merged in `dtype`."""
+    shutil.copytree(lora_sft / "runs", tmp_path / "runs", ignore=shutil.ignore_patterns("merged"))
+    return load_recipe(small_recipe(tmp_path, {**LORA_SFT, "merge": {"dtype": dtype}}))
+
+
+def test_merge_sft_of_a_lora_sft_run(lora_sft: Path, tmp_path: Path, small_recipe) -> None:
     from transformers import AutoModelForCausalLM
 
     from rlhf_cli.stages.merge import run_merge
-    from rlhf_cli.stages.sft import run_sft
 
-    recipe = load_recipe(
-        small_recipe(
-            tmp_path,
-            {"sft": {"full_finetune": False, "epochs": 1}, "data": {"sft": {"max_samples": 32}}},
-        )
-    )
-    run_sft(recipe, QUIET)
+    recipe = lora_sft_recipe(lora_sft, tmp_path, small_recipe, "float32")
     manifest = run_merge(recipe, QUIET, stage="sft")
     assert manifest["status"] == "completed"
     assert manifest["merged_from"]["stage"] == "sft"
@@ -209,6 +226,73 @@ def test_merge_sft_of_a_lora_sft_run(small_recipe, tmp_path: Path) -> None:
     folder = RunDir.for_recipe(recipe).stage_dir("merged") / "model"
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert not any("lora_" in name for name, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_precision_merge_is_saved_in_its_dtype(
+    lora_sft: Path, tmp_path: Path, small_recipe, dtype: str
+) -> None:
+    """Merged in float32 and cast once: every saved weight is in merge.dtype, and the cast
+    model's logits differ from the float32 adapter model's by its rounding alone (a bf16/fp16
+    merge checked against merge.atol was always refused)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_cli.stages.merge import run_merge
+
+    recipe = lora_sft_recipe(lora_sft, tmp_path, small_recipe, dtype)
+    metrics = run_merge(recipe, QUIET, stage="sft")["metrics"]
+    assert metrics["dtype"] == f"torch.{dtype}"
+    assert metrics["merge_logit_diff_fp32"] <= recipe.merge.atol
+    assert 0 < metrics["max_abs_logit_diff"] <= metrics["tolerance"]
+    folder = RunDir.for_recipe(recipe).stage_dir("merged") / "model"
+    shards = list(folder.glob("*.safetensors"))
+    assert shards
+    saved = {t.dtype for shard in shards for t in load_file(shard).values()}
+    assert saved == {getattr(torch, dtype)}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")  # as the config says
+    assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
+
+
+def _adapter_dropped(real_merge: Callable[..., Any]) -> Callable[..., Any]:
+    def merge(self, *args, **kwargs):
+        return self.unload()  # the LoRA layers removed without adding their weights
+
+    return merge
+
+
+def _adapter_doubled(real_merge: Callable[..., Any]) -> Callable[..., Any]:
+    def merge(self, *args, **kwargs):
+        from peft.tuners.lora import LoraLayer
+
+        for module in self.model.modules():
+            if isinstance(module, LoraLayer):
+                module.scaling = {name: 2 * value for name, value in module.scaling.items()}
+        return real_merge(self, *args, **kwargs)
+
+    return merge
+
+
+@pytest.mark.parametrize("broken", [_adapter_dropped, _adapter_doubled])
+def test_a_wrong_merge_is_refused_in_bf16(
+    lora_sft: Path, tmp_path: Path, small_recipe, monkeypatch, broken
+) -> None:
+    """The bf16 tolerance does not let a wrong merge through: the merge is checked in float32,
+    within merge.atol, before the cast."""
+    from peft import LoraModel
+
+    from rlhf_cli.errors import MergeMismatch
+    from rlhf_cli.stages.merge import run_merge
+
+    recipe = lora_sft_recipe(lora_sft, tmp_path, small_recipe, "bfloat16")
+    monkeypatch.setattr(LoraModel, "merge_and_unload", broken(LoraModel.merge_and_unload))
+    with pytest.raises(MergeMismatch, match="the float32 merge changes .* nothing saved"):
+        run_merge(recipe, QUIET, stage="sft")
+    run = RunDir.for_recipe(recipe)
+    assert not (run.stage_dir("merged") / "model").exists()
+    manifest = run.read_manifest("merged")
+    assert manifest["status"] == "failed"
+    assert manifest["metrics"]["merge_logit_diff_fp32"] > recipe.merge.atol
 
 
 def test_merge_mismatch_saves_nothing(
