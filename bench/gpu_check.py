@@ -172,12 +172,59 @@ def check(shape: str, iterations: int, backend: str = "hf") -> dict:
     }
 
 
+def paths(shape: str) -> dict:
+    """The GPU paths the CPU tests cannot show: LoRA SFT on 4-bit NF4 weights, one PPO iteration
+    on that SFT (its adapter kept on the quantised base, not merged into it), then `rlhf merge`
+    of the PPO adapter in bf16 and in fp16 (merged in float32, cast once, logits checked)."""
+    import torch
+    from rich.console import Console
+
+    from rlhf_cli.errors import RlhfError
+    from rlhf_cli.recipe import load_recipe
+    from rlhf_cli.stages.merge import run_merge
+    from rlhf_cli.stages.ppo import run_ppo
+    from rlhf_cli.stages.sft import run_sft
+    from rlhf_cli.tracking import quiet_libraries, read_metrics
+
+    quiet_libraries()
+    quiet = Console(stderr=True, quiet=True)
+    out: dict = {
+        "shape": shape,
+        "device": str(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"),
+    }
+    with tempfile.TemporaryDirectory(prefix=f"gpu-paths-{shape}-") as work:
+        path = recipe(shape, Path(work), 1)
+        data = yaml.safe_load(path.read_text())
+        data["sft"].update(enabled=True, epochs=1.0, full_finetune=False, save_steps=0)
+        data["model"]["quantization"] = {"load_in_4bit": True, "compute_dtype": "bfloat16"}
+        path.write_text(yaml.safe_dump(data))
+        r = load_recipe(path)
+        start = time.perf_counter()
+        run_sft(r, quiet)
+        out["sft_4bit_s"] = round(time.perf_counter() - start, 1)
+        run_ppo(r, quiet)
+        row = read_metrics(Path(r.run.output_dir) / r.run.name / "ppo" / "metrics.jsonl")[0]
+        out["ppo_on_4bit_sft"] = {k: row[k] for k in ("objective/kl", "env/reward_mean")}
+        for dtype in ("bfloat16", "float16"):
+            merged = r.model_copy(update={"merge": r.merge.model_copy(update={"dtype": dtype})})
+            try:
+                out[f"merge_{dtype}"] = run_merge(merged, quiet)["metrics"]
+            except RlhfError as exc:
+                out[f"merge_{dtype}"] = {"error": str(exc)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shapes", nargs="+", choices=sorted(SHAPES))
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="rollout engine")
+    parser.add_argument(
+        "--paths",
+        action="store_true",
+        help="instead of timing PPO: 4-bit LoRA SFT, PPO on it, bf16 and fp16 merges",
+    )
     parser.add_argument(
         "--recipe-to",
         type=Path,
@@ -187,6 +234,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.recipe_to:
         print(recipe(args.shapes[0], args.recipe_to, args.iterations, args.backend))
+        return
+    if args.paths:
+        results = [paths(shape) for shape in args.shapes]
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        print(json.dumps(results), flush=True)
         return
     results = []
     for shape in args.shapes:

@@ -5,7 +5,7 @@
 # On a machine with two GPUs or more it also runs the Qwen shape under DeepSpeed ZeRO-3 on two
 # GPUs (recipes/accelerate/deepspeed_zero3.yaml), the sharded path the CPU tests prove.
 # Usage (device tool): bash bench/gpu_check.sh
-#   → $OUT/gpu_check_{qwen,qwen_vllm,mistral,zero3}.json
+#   → $OUT/gpu_check_{qwen,qwen_vllm,paths,mistral,zero3}.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
@@ -22,6 +22,9 @@ if .venv-gpu/bin/pip install -q vllm; then
   timeout 240 .venv-gpu/bin/python bench/gpu_check.py qwen0.5b --iterations 3 --backend vllm \
     --out "$out/gpu_check_qwen_vllm.json" || echo "the vLLM run failed or did not finish"
 fi
+# 4-bit LoRA SFT, PPO on it, bf16 and fp16 merges (the paths every CPU test runs in float32)
+timeout 240 .venv-gpu/bin/python bench/gpu_check.py qwen0.5b --paths \
+  --out "$out/gpu_check_paths.json" || echo "the 4-bit SFT / merge paths failed or did not finish"
 timeout 300 .venv-gpu/bin/python bench/gpu_check.py mistral7b --out "$out/gpu_check_mistral.json" \
   || echo "mistral7b did not finish in time; the qwen0.5b figures are in $out"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
