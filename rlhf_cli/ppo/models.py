@@ -134,7 +134,7 @@ class PpoSources(NamedTuple):
     """Where PPO's models come from (the run's manifests or the recipe)."""
 
     base: str  # policy base weights
-    sft_adapter: Path | None  # SFT adapter merged into the base, if any
+    sft_adapter: Path | None  # SFT adapter, if any: merged into the base, kept on a 4-bit one
     tokenizer: str
     reward: str | None  # the frozen reward model (None: `reward.functions` alone)
     reward_tokenizer: str | None
@@ -181,9 +181,9 @@ def build_actor(
 def build_policy(
     recipe: Recipe, sources: PpoSources, device: torch.device
 ) -> tuple[Any, Reference]:
-    """The SFT model made trainable (a fresh LoRA adapter, on 4-bit weights when asked, or all
-    weights in fp32) with dropout off, and its frozen reference: the policy with its adapter
-    disabled, or a frozen copy in the recipe's dtype."""
+    """The SFT model made trainable (a fresh LoRA adapter, on 4-bit weights when asked, stacked
+    over the frozen SFT adapter there; or all weights in fp32) with dropout off, and its frozen
+    reference: the policy with its PPO adapter off, or a frozen copy in the recipe's dtype."""
     model_cfg, base, adapter = recipe.model, sources.base, sources.sft_adapter
     full = not model_cfg.lora.enabled  # every weight trains: loaded in fp32
     sft = load_sft_model(

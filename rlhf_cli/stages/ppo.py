@@ -3,7 +3,7 @@ accelerate (TRL 1.x has no PPO trainer).
 
 Four models: the policy (the SFT model with a fresh LoRA adapter), the value head on its backbone
 (or a separate critic), the frozen reward model, and the frozen reference (the policy with its
-adapter disabled: no second copy of the weights). Dropout is off in all of them: PPO's ratio
+PPO adapter off: no second copy of the weights). Dropout is off in all of them: PPO's ratio
 compares log-probs of the same tokens at two times, and dropout noise would bias it.
 """
 
@@ -28,7 +28,7 @@ from rlhf_cli.modeling import (
     mixed_precision,
     pick_device,
     resolve_dtype,
-    trainable_state,
+    save_trained,
 )
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.checkpoint import checkpoint_state, load_checkpoint, verify
@@ -215,7 +215,7 @@ def save(
     stage_dir = ppo.stage_dir
     kind = "adapter" if ppo.recipe.model.lora.enabled else "model"
     # the weights as the module holds them now (whole; state_dict() would give FSDP2's shards)
-    actor.policy.save_pretrained(stage_dir / kind, state_dict=trainable_state(actor.policy))
+    save_trained(actor.policy, stage_dir / kind)
     ppo.models.tokenizer.save_pretrained(stage_dir / "tokenizer")
     outputs = {kind: kind, "tokenizer": "tokenizer"}
     if actor.has_values:

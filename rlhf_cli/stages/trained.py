@@ -27,6 +27,7 @@ from rlhf_cli.modeling import (
     make_trainable,
     resolve_dtype,
     set_dropout,
+    with_trained_adapter,
 )
 from rlhf_cli.ppo.checkpoint import checkpoint_state
 from rlhf_cli.recipe import GenerationSection, ModelSection, Recipe, RewardSection
@@ -81,7 +82,7 @@ def check_sft_fits(made: dict[str, Any], sft_now: dict[str, Any], what: str, kin
 
 @dataclass
 class TrainedPolicy:
-    model: Any  # a PeftModel (adapter on the SFT model) or a plain causal LM
+    model: Any  # a PeftModel (adapter on, or over, the SFT model) or a plain causal LM
     reference: Reference | None
     tokenizer: Any
     label: str  # names the audited thing in reports, e.g. "ppo" or "iter_00050"
@@ -114,8 +115,6 @@ def load_trained_policy(
     model_cfg: ModelSection | None = None,
 ) -> TrainedPolicy:
     """The policy at `source` (default: the run's final PPO policy), dropout off, frozen."""
-    from peft import PeftModel
-
     model_cfg = model_cfg or recipe.model
     folder = Path(source) if source is not None else run.stage_dir("ppo")
     if source is None:
@@ -146,7 +145,7 @@ def load_trained_policy(
         return TrainedPolicy(model, Reference(model, reference_model), tokenizer, label)
     sft_model = load_sft_model(model_cfg, base, sft_adapter, device)
     if kind == "adapter":
-        model = PeftModel.from_pretrained(sft_model, str(folder))
+        model = with_trained_adapter(sft_model, folder)
     else:  # a checkpoint: the PPO construction (4-bit bases prepared alike), then its weights
         from safetensors.torch import load_file
 

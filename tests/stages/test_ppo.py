@@ -448,6 +448,58 @@ def test_ppo_after_a_lora_sft_uses_the_merged_sft_model_as_reference(
     assert run_ppo(recipe, QUIET)["status"] == "completed"
 
 
+def test_4bit_ppo_on_a_lora_sft_stacks_its_adapter_over_the_sft_one(tmp_path, small_recipe):
+    """On a 4-bit base the SFT adapter stays an adapter (a merge into NF4 would erase most of
+    it): PPO saves its own adapter alone; audit loads the final adapter and a checkpoint over the
+    SFT adapter alike, with the unmerged SFT policy as reference; merge works in full precision."""
+    from peft import PeftModel
+
+    from rlhf_cli.modeling import load_causal_lm
+    from rlhf_cli.stages.merge import run_merge
+    from rlhf_cli.stages.ppo import run_ppo
+    from rlhf_cli.stages.sft import run_sft
+    from rlhf_cli.stages.trained import load_trained_policy, policy_source
+
+    rules = Path(__file__).resolve().parents[2] / "examples" / "rewards.py"
+    recipe = load_recipe(
+        small_recipe(
+            tmp_path,
+            {
+                "model": {"quantization": {"load_in_4bit": True, "compute_dtype": "float32"}},
+                "sft": {"full_finetune": False, "epochs": 1, "learning_rate": 5e-3},
+                "data": {"sft": {"max_samples": 32}},
+                "reward": {"base_model": None, "functions": [{"function": f"{rules}:politeness"}]},
+                "ppo": {**PPO_SMALL, "iterations": 2, "save_freq": 2, "eval_every": None},
+            },
+        )
+    )
+    run_sft(recipe, QUIET)
+    assert run_ppo(recipe, QUIET)["status"] == "completed"
+    run, cpu = RunDir.for_recipe(recipe), torch.device("cpu")
+    saved = run.stage_dir("ppo") / "adapter"
+    assert sorted(p.name for p in saved.iterdir() if p.suffix != ".md") == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+
+    ids = torch.randint(10, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    final = load_trained_policy(recipe, run, cpu)
+    checkpoint = run.stage_dir("ppo") / "checkpoints" / "iter_00002"
+    at_checkpoint = load_trained_policy(recipe, run, cpu, source=checkpoint)
+    base, sft_adapter, _ = policy_source(recipe, run, {})
+    frozen = load_causal_lm(base, recipe.model.variant(lora=False), cpu, trainable=False)
+    sft = PeftModel.from_pretrained(frozen, str(sft_adapter)).eval()
+    with torch.no_grad(), final.reference.model() as reference:
+        assert_close(reference(input_ids=ids).logits, sft(input_ids=ids).logits)
+    with torch.no_grad():
+        trained = final.model(input_ids=ids).logits
+        assert_close(at_checkpoint.model(input_ids=ids).logits, trained)
+        assert (trained - sft(input_ids=ids).logits).abs().max() > 0  # PPO's adapter acts
+
+    merged = run_merge(recipe, QUIET)
+    assert merged["status"] == "completed" and merged["metrics"]["dtype"] == "torch.float32"
+
+
 def test_reward_truncation_is_reported(ppo_recipe, pipeline, tmp_path, small_recipe):
     from rlhf_cli.stages.ppo import run_ppo
 

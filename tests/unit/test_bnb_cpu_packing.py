@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_cli.modeling import keep_4bit_unpacked, load_causal_lm, load_sft_model, resolve_model_path
+from rlhf_cli.modeling import (
+    keep_4bit_unpacked,
+    load_causal_lm,
+    load_sft_model,
+    make_trainable,
+    resolve_model_path,
+)
 from rlhf_cli.recipe import ModelSection, QuantizationSection
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -161,10 +167,13 @@ def test_a_4bit_checkpoint_saved_after_an_eval_forward_reloads_to_the_same_model
     assert not packed(reloaded)
 
 
-def test_a_4bit_sft_model_rebuilt_by_a_merge_keeps_the_standard_layout(tmp_path: Path) -> None:
+def test_a_4bit_sft_model_and_the_ppo_policy_on_it_keep_the_standard_layout(
+    tmp_path: Path,
+) -> None:
     torch.manual_seed(0)
     load_causal_lm("builtin:tiny-lm", qlora_cfg(), CPU).save_pretrained(tmp_path / "sft")
     model = load_sft_model(qlora_cfg(), "builtin:tiny-lm", tmp_path / "sft", CPU)
+    model = make_trainable(model, qlora_cfg(), "CAUSAL_LM", no_dropout=True)  # as PPO builds it
     assert layers_4bit(model)
     assert not any(m.support_avx512bf16_for_cpu for m in layers_4bit(model))
     eval_forward_without_grad(model, torch.randint(10, 200, (2, 12)))
