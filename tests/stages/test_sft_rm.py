@@ -13,6 +13,7 @@ from rich.console import Console
 
 from rlhf_cli.errors import StageError
 from rlhf_cli.recipe import Recipe, load_recipe
+from rlhf_cli.record import require
 from rlhf_cli.rundir import RunDir
 from rlhf_cli.tracking import read_metrics
 
@@ -71,7 +72,7 @@ def test_sft_manifest_is_completed(sft_full) -> None:
     assert manifest["metrics"]["train_rows"] == 360 and manifest["metrics"]["eval_rows"] == 40
     assert (run.output_dir / "LATEST").read_text().strip() == recipe.run.name
     assert load_recipe(run.recipe_path()).sha256() == recipe.sha256()
-    assert run.require("sft", needed_by="test")["status"] == "completed"
+    assert require(run, "sft", needed_by="test")["status"] == "completed"
 
 
 def test_sft_lowers_the_held_out_loss(sft_full) -> None:
