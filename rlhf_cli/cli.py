@@ -11,9 +11,7 @@ import contextlib
 import functools
 import json
 import logging
-import signal
 import sys
-import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +25,7 @@ from rich.table import Table
 from rlhf_cli.errors import RecipeError, RlhfError
 from rlhf_cli.recipe import Recipe, default_recipe_path, load_recipe
 from rlhf_cli.rundir import Manifest, RunDir, recipe_near
+from rlhf_cli.stopping import sigterm_as_ctrl_c
 from rlhf_cli.tracking import (
     fmt_number,
     make_console,
@@ -108,16 +107,11 @@ RunsOpt = Annotated[
 ]
 
 
-def _sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # a stage stops as on Ctrl-C: its manifest, lock and LATEST kept true
-
-
 def _exit_on_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         err = make_console()
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _sigterm)
+        sigterm_as_ctrl_c()
         try:
             return fn(*args, **kwargs)
         except RecipeError as exc:

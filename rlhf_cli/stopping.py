@@ -1,14 +1,28 @@
-"""Stopping a training loop cleanly: the first Ctrl-C / SIGTERM asks it to finish its step or
-iteration and write a checkpoint (`StopRequest`); a second stops at once."""
+"""Stopping on a signal. Any command: SIGTERM stops it as Ctrl-C does (`sigterm_as_ctrl_c`). A
+training loop, cleanly: the first Ctrl-C / SIGTERM asks it to finish its step or iteration and
+write a checkpoint (`StopRequest`); a second stops at once."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # a stage stops as on Ctrl-C: its manifest, lock and LATEST kept true
+
+
+def sigterm_as_ctrl_c() -> None:
+    """From here SIGTERM raises KeyboardInterrupt, as Ctrl-C does (in the main thread: only it
+    can set a handler); `graceful_stop` replaces it while a training loop runs."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _sigterm)
+
 
 REPEAT_S = 2.0  # a second signal sooner than this after the first is the same Ctrl-C
 

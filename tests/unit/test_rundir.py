@@ -83,6 +83,26 @@ def test_a_damaged_latest_pointer_is_one_clear_error(tmp_path: Path) -> None:
         RunDir.latest(tmp_path)
 
 
+def test_the_manifest_type_declares_every_key_a_stage_record_writes(
+    run: RunDir, recipe: Recipe
+) -> None:
+    """`Manifest` is what readers are typed against: a key StageRecord writes (on success,
+    failure, or a failed re-run's `last_attempt` note) that it does not declare is a drift."""
+    from rlhf_cli.rundir import Manifest
+
+    declared = set(Manifest.__annotations__)
+    with StageRecord(run, "sft", recipe, inputs={}):
+        pass
+    with pytest.raises(ValueError), StageRecord(run, "sft", recipe, inputs={}):
+        raise ValueError("boom")
+    with pytest.raises(ValueError), StageRecord(run, "rm", recipe, inputs={}) as record:
+        record.replacing()
+        raise ValueError("boom")
+    sft, rm = run.read_manifest("sft"), run.read_manifest("rm")
+    assert MANIFEST_KEYS <= declared
+    assert set(sft) | set(rm) <= declared and {"last_attempt", "error"} <= set(sft) | set(rm)
+
+
 def test_latest_ignores_a_pointer_to_a_missing_run(tmp_path: Path) -> None:
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "LATEST").write_text("gone\n")
@@ -359,32 +379,6 @@ def test_a_run_cannot_be_its_own_base() -> None:
 
     with pytest.raises(ValueError, match=r"names this run itself \(x\): name another run"):
         RunSection(name="x", base="x")
-
-
-def test_a_repeat_signal_from_a_launcher_is_the_same_ctrl_c(monkeypatch) -> None:
-    """torchrun forwards the terminal's Ctrl-C to workers that got it already: a second
-    signal within REPEAT_S is the same one; a later one stops at once, saying what was saved."""
-    import os
-    import signal
-
-    from rich.console import Console
-
-    from rlhf_cli import stopping
-
-    clock = [100.0]
-    monkeypatch.setattr(stopping.time, "monotonic", lambda: clock[0])
-    with stopping.graceful_stop(Console(quiet=True), "step") as flag:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert flag.requested
-        clock[0] += stopping.REPEAT_S / 2
-        os.kill(os.getpid(), signal.SIGTERM)  # forwarded: ignored
-        flag.saved = "checkpoint-4 (step 4)"
-        clock[0] += stopping.REPEAT_S
-        with pytest.raises(
-            KeyboardInterrupt, match=r"newest checkpoint is checkpoint-4 \(step 4\)"
-        ):
-            os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
 def test_a_failed_stage_with_checkpoints_is_resumed_or_started_over(
