@@ -1,5 +1,6 @@
 """A stage's record while it runs: its manifest kept true (`StageRecord`), the run's lock, and
-what a manifest means now (`stage_state`: completed, running, stopped, what to type next).
+what a manifest means now (`stage_state`: completed, running, stopped, what to type next;
+`require`: an input stage's completed manifest, or the error that says what to run first).
 
 `runs/<name>/.lock` holds the pid, start time and command of the process running a stage; a
 lock whose process is gone (or whose pid now names a later process) is stale and taken over.
