@@ -11,9 +11,7 @@ import contextlib
 import functools
 import json
 import logging
-import signal
 import sys
-import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +24,8 @@ from rich.table import Table
 
 from rlhf_cli.errors import RecipeError, RlhfError
 from rlhf_cli.recipe import Recipe, default_recipe_path, load_recipe
-from rlhf_cli.rundir import RunDir, recipe_near
+from rlhf_cli.rundir import Manifest, RunDir, recipe_near
+from rlhf_cli.stopping import sigterm_as_ctrl_c
 from rlhf_cli.tracking import (
     fmt_number,
     make_console,
@@ -108,16 +107,11 @@ RunsOpt = Annotated[
 ]
 
 
-def _sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # a stage stops as on Ctrl-C: its manifest, lock and LATEST kept true
-
-
 def _exit_on_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         err = make_console()
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _sigterm)
+        sigterm_as_ctrl_c()
         try:
             return fn(*args, **kwargs)
         except RecipeError as exc:
@@ -168,6 +162,7 @@ def _library_output(as_json: bool, quiet: bool = False) -> contextlib.AbstractCo
 
 
 def _emit(manifest: dict[str, Any], as_json: bool, quiet: bool, title: str) -> None:
+    """A stage's manifest, with `dir` (its folder) added, as JSON or a table."""
     if as_json:
         typer.echo(json.dumps(manifest, indent=2))
         return
@@ -183,7 +178,7 @@ def _emit(manifest: dict[str, Any], as_json: bool, quiet: bool, title: str) -> N
 
 
 def _stage(
-    run_fn: Callable[[Recipe, Any], dict[str, Any]],
+    run_fn: Callable[[Recipe, Any], Manifest],
     stage: str,
     recipe: Path | None,
     as_json: bool,
@@ -195,8 +190,8 @@ def _stage(
     resolved = resolve_recipe(recipe, runs_dir, sets)
     with _library_output(as_json, quiet):
         manifest = run_fn(resolved, make_console(quiet, as_json))
-    manifest = {**manifest, "dir": str(RunDir.for_recipe(resolved).stage_dir(stage))}
-    _emit(manifest, as_json, quiet, f"rlhf {stage} · run '{resolved.run.name}'")
+    shown = {**manifest, "dir": str(RunDir.for_recipe(resolved).stage_dir(stage))}
+    _emit(shown, as_json, quiet, f"rlhf {stage} · run '{resolved.run.name}'")
 
 
 @app.command(cls=_Command)

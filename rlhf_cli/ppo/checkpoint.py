@@ -26,9 +26,8 @@ from safetensors.torch import save_file
 from rlhf_cli.errors import StageError, checkpoint_mismatch, is_shape_error
 from rlhf_cli.modeling import trainable_state
 from rlhf_cli.ppo.sharding import Engine, load_pt
+from rlhf_cli.resume import PPO_INDEX
 from rlhf_cli.rundir import atomic_write_json, file_sha256
-
-INDEX = "checkpoint.json"
 
 
 def rng_state(sampler: torch.Generator) -> dict[str, Any]:
@@ -96,7 +95,7 @@ def save_checkpoint(
                 for p in sorted(tmp.rglob("*"))
                 if p.is_file()
             }
-            atomic_write_json(tmp / INDEX, {"iteration": iteration, "sha256": files})
+            atomic_write_json(tmp / PPO_INDEX, {"iteration": iteration, "sha256": files})
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -108,30 +107,9 @@ def save_checkpoint(
     return final
 
 
-def verify(folder: Path) -> str | None:
-    """None when the checkpoint is whole, else what is wrong with it."""
-    index = folder / INDEX
-    if not index.is_file():
-        return "no checkpoint.json (incomplete write)"
-    try:
-        expected = json.loads(index.read_text())["sha256"]
-        names = list(expected.items())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
-        return "checkpoint.json is unreadable"
-    if not names:
-        return "checkpoint.json lists no files"
-    for name, digest in names:
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if file_sha256(path) != digest:
-            return f"{name} does not match its checksum"
-    return None
-
-
 def checkpoint_state(folder: Path) -> dict[str, Any]:
     """A checkpoint's `state.json` (iteration, layout, the input stages it was trained on);
-    {} when it has none or cannot be read (`verify` is what judges a checkpoint whole)."""
+    {} when it has none or cannot be read (`resume.ppo_checkpoint_problem` judges it whole)."""
     try:
         state = json.loads((folder / "state.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError):
@@ -151,7 +129,8 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore state in place on every process; return `state.json`'s contents. A checkpoint
     resumes under the engine and number of processes that wrote it."""
-    state = json.loads((folder / "state.json").read_text())  # `verify` found it whole
+    # `resume.ppo_checkpoint_problem` found the checkpoint whole
+    state = json.loads((folder / "state.json").read_text())
     acc = engine.acc
     written = (state.get("engine", "ddp"), state.get("processes", 1))
     if written != (engine.name, acc.num_processes):

@@ -34,7 +34,7 @@ from rlhf_cli.ppo.logs import finite, iteration_metrics, progress_info, summariz
 from rlhf_cli.ppo.rollout import Rollout, collect_rollout, logprob_mismatch
 from rlhf_cli.ppo.run import PPORun, checkpoint, heldout_eval, live_audit
 from rlhf_cli.recipe import PpoSection
-from rlhf_cli.rundir import graceful_stop
+from rlhf_cli.stopping import graceful_stop
 from rlhf_cli.tracking import make_progress
 
 

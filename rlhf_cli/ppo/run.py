@@ -20,6 +20,8 @@ from rlhf_cli.ppo.logs import RunLogs
 from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.ppo.sharding import Engine
 from rlhf_cli.recipe import Recipe
+from rlhf_cli.resume import PPO_CHECKPOINT, numbered
+from rlhf_cli.rundir import InputRecord
 from rlhf_cli.scoring import RewardScorer
 
 
@@ -65,7 +67,7 @@ class PPORun:
     prompts: list[str]
     queries: list[list[int]]  # their token ids
     stage_dir: Path
-    inputs: dict[str, Any]  # the stages trained on (the manifest's)
+    inputs: dict[str, InputRecord]  # the stages trained on (the manifest's)
 
     @property
     def unwrapped(self) -> PolicyAndValue:
@@ -92,10 +94,10 @@ def checkpoint(run: PPORun, iteration: int) -> Path:
             },
         )
     except OSError as exc:
-        previous = sorted(p.name for p in root.glob("iter_*"))
+        previous = numbered(root, PPO_CHECKPOINT)
         raise CheckpointWriteError(
             f"writing checkpoint iter_{iteration:05d} failed ({exc.strerror or exc}); "
-            f"the previous checkpoint ({previous[-1] if previous else 'none'}) is intact and "
+            f"the previous checkpoint ({previous[-1].name if previous else 'none'}) is intact and "
             f"the manifest records this failure: {write_remedy(exc)}, then `rlhf ppo --resume`"
         ) from None
 

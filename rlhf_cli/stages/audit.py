@@ -16,7 +16,8 @@ from rlhf_cli.data import audit_prompts, read_responses
 from rlhf_cli.generation import check_backend
 from rlhf_cli.modeling import pick_device
 from rlhf_cli.recipe import Recipe
-from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json
+from rlhf_cli.record import StageRecord
+from rlhf_cli.rundir import RunDir, atomic_write_json
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import (
     generation_engine,

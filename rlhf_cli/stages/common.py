@@ -14,13 +14,8 @@ from rich.console import Console
 from transformers import TrainerCallback
 
 from rlhf_cli.errors import checkpoint_mismatch, is_shape_error
-from rlhf_cli.rundir import (
-    TRAINER_CHECKPOINT,
-    StageRecord,
-    StopRequest,
-    graceful_stop,
-    resume_point,
-)
+from rlhf_cli.record import StageRecord
+from rlhf_cli.stopping import StopRequest, graceful_stop
 from rlhf_cli.tracking import (
     MetricsWriter,
     Trackers,
@@ -93,7 +88,7 @@ def trainer_kwargs(
 class StageCallback(TrainerCallback):
     """What the stage adds to TRL's trainer: a rich progress bar over optimiser steps, every
     log line into metrics.jsonl once `writer` is set (`begin_writing`), and the Ctrl-C
-    checkpoint: with `rundir.graceful_stop`'s `flag` (set by `train_resumable`), after the step
+    checkpoint: with `stopping.graceful_stop`'s `flag` (set by `train_resumable`), after the step
     in which Ctrl-C or SIGTERM came to any process, every process decides to stop (`stopping`),
     the Trainer writes a checkpoint and stops, skipping the end-of-epoch evaluation. Every
     checkpoint's step is logged (it ends a loss window: `run_train_loss`); what the Trainer logs
@@ -193,39 +188,8 @@ def train_resumable(
     return result
 
 
-def resume_checkpoint(stage_dir: Path, command: str) -> tuple[Path, list[str]]:
-    """The newest whole Trainer checkpoint under `stage_dir/checkpoints` and a note for each
-    newer, damaged one skipped; StageError when there is none. The Trainer writes
-    `trainer_state.json` last, so a checkpoint without a readable one was cut short."""
-    return resume_point(stage_dir / "checkpoints", TRAINER_CHECKPOINT, _checkpoint_problem, command)
-
-
-def _checkpoint_problem(folder: Path) -> str | None:
-    """What is missing from a Trainer checkpoint (None: whole). DeepSpeed keeps weights and
-    optimizer in `global_step*/`; otherwise the weights (safetensors, or FSDP's files), the
-    optimizer and `scheduler.pt` must be there: without the latter transformers would resume
-    with a fresh optimizer and schedule, silently."""
-    try:
-        step = json.loads((folder / "trainer_state.json").read_text())["global_step"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        return "no readable trainer_state.json"
-    if not isinstance(step, int):
-        return "trainer_state.json has no step"
-    if any(folder.glob("global_step*")):
-        return None
-    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*")):
-        return "no weights"
-    if not any(
-        (folder / name).exists() for name in ("optimizer.pt", "optimizer.bin", "optimizer_0")
-    ):
-        return "no optimizer state"
-    if not (folder / "scheduler.pt").is_file():
-        return "no scheduler.pt"
-    return None
-
-
 def checkpoint_step(folder: Path) -> int:
-    """The optimiser step a checkpoint from `resume_checkpoint` was written at."""
+    """The optimiser step a checkpoint from `resume.trainer_resume_point` was written at."""
     return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
 
 

@@ -20,7 +20,8 @@ from rlhf_cli.errors import MergeMismatch, StageError
 from rlhf_cli.generation import forward_logits, left_pad, tokenize_prompts
 from rlhf_cli.modeling import load_policy_tokenizer, load_sft_model, pick_device, resolve_dtype
 from rlhf_cli.recipe import ModelSection, Recipe
-from rlhf_cli.rundir import RunDir, StageRecord
+from rlhf_cli.record import StageRecord, require
+from rlhf_cli.rundir import Manifest, RunDir
 from rlhf_cli.stages.trained import check_sft_fits, policy_source
 
 # A bf16/fp16 copy of a model differs from its float32 original by a few rounding steps
@@ -89,15 +90,13 @@ def merge_and_cast(
     return merged, metrics, problem
 
 
-def run_merge(
-    recipe: Recipe, console: Console, stage: Literal["ppo", "sft"] = "ppo"
-) -> dict[str, Any]:
+def run_merge(recipe: Recipe, console: Console, stage: Literal["ppo", "sft"] = "ppo") -> Manifest:
     """Merge the PPO (or SFT) adapter; write `runs/<name>/merged/`; return its manifest."""
     from peft import PeftModel
 
     run = RunDir.for_recipe(recipe)
     source = run.owner(stage)  # an sft of `run.base` when this run has none
-    manifest = source.require(stage, "rlhf merge")
+    manifest = require(source, stage, "rlhf merge")
     if "adapter" not in manifest["outputs"]:
         raise StageError(
             f"the {stage} stage of run '{source.name}' trained all weights (no LoRA "

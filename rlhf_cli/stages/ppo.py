@@ -31,7 +31,7 @@ from rlhf_cli.modeling import (
     save_trained,
 )
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo.checkpoint import checkpoint_state, load_checkpoint, verify
+from rlhf_cli.ppo.checkpoint import checkpoint_state, load_checkpoint
 from rlhf_cli.ppo.health import HealthMonitor
 from rlhf_cli.ppo.logs import RunLogs, summarize
 from rlhf_cli.ppo.loop import train
@@ -39,13 +39,9 @@ from rlhf_cli.ppo.models import PolicyAndValue, PpoSources, build_actor
 from rlhf_cli.ppo.run import Hooks, Models, PPORun, TrainState
 from rlhf_cli.ppo.sharding import Engine, build_accelerator, engine_for
 from rlhf_cli.recipe import PpoSection, Recipe
-from rlhf_cli.rundir import (
-    PPO_CHECKPOINT,
-    RunDir,
-    StageRecord,
-    check_same_inputs,
-    resume_point,
-)
+from rlhf_cli.record import StageRecord
+from rlhf_cli.resume import PPO_CHECKPOINT, check_same_inputs, ppo_checkpoint_problem, resume_point
+from rlhf_cli.rundir import InputRecord, Manifest, RunDir
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import drop_checkpoints, resume_notes, seed_everything
 from rlhf_cli.stages.trained import (
@@ -64,7 +60,7 @@ from rlhf_cli.tracking import (
 )
 
 
-def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str, Any]:
+def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> Manifest:
     """Align the policy with PPO; write `runs/<name>/ppo/`; return its manifest."""
     run = RunDir.for_recipe(recipe)
     device = pick_device(recipe.run.device)
@@ -77,12 +73,16 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
         mixed_precision=mixed_precision(resolve_dtype(recipe.model.dtype, device), device),
         log_with=trackers.for_accelerate(),
     )
-    inputs: dict[str, Any] = {}
+    inputs: dict[str, InputRecord] = {}
     sources = PpoSources(*policy_source(recipe, run, inputs), *reward_source(recipe, run, inputs))
     seed_everything(recipe.run.seed)  # the same fresh LoRA weights on every process
     # found before the manifest is touched: a refused --resume leaves the last result's intact
     checkpoints = run.stage_dir("ppo") / "checkpoints"
-    checkpoint = resume_point(checkpoints, PPO_CHECKPOINT, verify, "rlhf ppo") if resume else None
+    checkpoint = (
+        resume_point(checkpoints, PPO_CHECKPOINT, ppo_checkpoint_problem, "rlhf ppo")
+        if resume
+        else None
+    )
     if checkpoint is not None:
         check_same_inputs(
             checkpoint_state(checkpoint[0]),
@@ -345,7 +345,7 @@ def _resume(
     parts: tuple[Engine, Any, Any, Any, Any, torch.Generator],
     console: Console,
 ) -> dict[str, Any]:
-    """Restore `checkpoint` (from `rundir.resume_point`) in place into `parts` (engine,
+    """Restore `checkpoint` (from `resume.resume_point`) in place into `parts` (engine,
     prepared actor, optimizer, scheduler, KL controller, prompt sampler); return its
     `state.json` (iteration, health rules fired, score moments)."""
     folder, notes = checkpoint

@@ -15,7 +15,9 @@ from rich.console import Console
 
 from rlhf_cli.errors import PushError, StageError
 from rlhf_cli.recipe import Recipe
-from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_bytes, check_same_inputs
+from rlhf_cli.record import StageRecord, require
+from rlhf_cli.resume import check_same_inputs
+from rlhf_cli.rundir import Manifest, RunDir, atomic_write_bytes
 from rlhf_cli.tracking import metrics_line, read_metrics
 
 
@@ -29,7 +31,7 @@ def redact(text: str, token: str | None) -> str:
     return text.replace(token, "***") if token else text
 
 
-def _metrics(manifest: dict[str, Any], keep: Callable[[str], bool] = lambda k: True) -> str:
+def _metrics(manifest: Manifest, keep: Callable[[str], bool] = lambda k: True) -> str:
     return metrics_line(manifest.get("metrics", {}), keep)
 
 
@@ -39,7 +41,7 @@ def _how_it_was_made(recipe: Recipe, run: RunDir) -> list[str]:
         run.owner(s).read_manifest(s) or {} for s in ("sft", "rm", "ppo", "audit")
     )
     # the audit of the final PPO policy, whatever was audited after it (checkpoints, files)
-    audit = {"metrics": audits.get("reports", {}).get("ppo", {})}
+    audit: Manifest = {"metrics": audits.get("reports", {}).get("ppo", {})}
     if not audit["metrics"] and audits.get("last") == "ppo":  # written before `reports` was
         audit = audits
     p, a = recipe.ppo, recipe.audit
@@ -146,7 +148,7 @@ def push_folder(recipe: Recipe, run: RunDir, adapter_only: bool) -> Path:
     """The folder to upload: the PPO adapter or the merged model, made from the SFT stage the
     model card describes."""
     stage, kind = ("ppo", "adapter") if adapter_only else ("merged", "model")
-    manifest = run.require(stage, "rlhf push --adapter-only" if adapter_only else "rlhf push")
+    manifest = require(run, stage, "rlhf push --adapter-only" if adapter_only else "rlhf push")
     sft = run.owner("sft")
     if (sft.read_manifest("sft") or {}).get("status") == "completed":
         sft_now = {"sft": sft.input_record("sft")}

@@ -30,14 +30,15 @@ from rlhf_cli.modeling import (
     upcast_trainable,
 )
 from rlhf_cli.recipe import Recipe
-from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json
+from rlhf_cli.record import StageRecord
+from rlhf_cli.resume import trainer_resume_point
+from rlhf_cli.rundir import Manifest, RunDir, atomic_write_json
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import (
     StageCallback,
     begin_writing,
     drop_checkpoints,
     drop_printer,
-    resume_checkpoint,
     run_train_loss,
     seed_everything,
     train_resumable,
@@ -60,7 +61,7 @@ def pairwise_eval(scorer: RewardScorer, pairs: list[dict[str, str]]) -> dict[str
     }
 
 
-def run_train_rm(recipe: Recipe, console: Console, resume: bool = False) -> dict[str, Any]:
+def run_train_rm(recipe: Recipe, console: Console, resume: bool = False) -> Manifest:
     """Train the reward model; write `runs/<name>/rm/`; return its manifest. With `resume`,
     continue from the newest checkpoint of an interrupted attempt."""
     from accelerate import PartialState
@@ -81,7 +82,7 @@ def run_train_rm(recipe: Recipe, console: Console, resume: bool = False) -> dict
     device = pick_device(recipe.run.device)
     trackers = Trackers.for_stage(recipe.run, "rm", run.stage_dir("rm"))
     # found before the manifest is touched: a refused --resume leaves the last result intact
-    checkpoint = resume_checkpoint(run.stage_dir("rm"), "rlhf train-rm") if resume else None
+    checkpoint = trainer_resume_point(run.stage_dir("rm"), "rlhf train-rm") if resume else None
     with (
         StageRecord(run, "rm", recipe, inputs={}, write=is_main) as record,
         trackers.environment(),

@@ -17,13 +17,14 @@ from rlhf_cli.modeling import (
     upcast_trainable,
 )
 from rlhf_cli.recipe import Recipe
-from rlhf_cli.rundir import RunDir, StageRecord
+from rlhf_cli.record import StageRecord
+from rlhf_cli.resume import trainer_resume_point
+from rlhf_cli.rundir import Manifest, RunDir
 from rlhf_cli.stages.common import (
     StageCallback,
     begin_writing,
     drop_checkpoints,
     drop_printer,
-    resume_checkpoint,
     run_train_loss,
     seed_everything,
     train_resumable,
@@ -32,7 +33,7 @@ from rlhf_cli.stages.common import (
 from rlhf_cli.tracking import Trackers
 
 
-def run_sft(recipe: Recipe, console: Console, resume: bool = False) -> dict[str, Any]:
+def run_sft(recipe: Recipe, console: Console, resume: bool = False) -> Manifest:
     """Train the SFT model; write `runs/<name>/sft/`; return its manifest. With `resume`,
     continue from the newest checkpoint of an interrupted attempt."""
     from accelerate import PartialState
@@ -47,7 +48,7 @@ def run_sft(recipe: Recipe, console: Console, resume: bool = False) -> dict[str,
     seed_everything(recipe.run.seed)
     trackers = Trackers.for_stage(recipe.run, "sft", run.stage_dir("sft"))
     # found before the manifest is touched: a refused --resume leaves the last result intact
-    checkpoint = resume_checkpoint(run.stage_dir("sft"), "rlhf sft") if resume else None
+    checkpoint = trainer_resume_point(run.stage_dir("sft"), "rlhf sft") if resume else None
     with (
         StageRecord(run, "sft", recipe, inputs={}, write=is_main) as record,
         trackers.environment(),

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.errors import StageError
-from rlhf_cli.rundir import STAGE_COMMANDS, RunDir, stage_state
+from rlhf_cli.record import stage_state
+from rlhf_cli.rundir import STAGE_COMMANDS, RunDir
 
 # the few numbers that say how each stage went (manifest `metrics` keys)
 KEY_METRICS = {

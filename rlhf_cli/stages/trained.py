@@ -31,12 +31,14 @@ from rlhf_cli.modeling import (
 )
 from rlhf_cli.ppo.checkpoint import checkpoint_state
 from rlhf_cli.recipe import GenerationSection, ModelSection, Recipe, RewardSection
-from rlhf_cli.rundir import RunDir, check_same_inputs
+from rlhf_cli.record import require
+from rlhf_cli.resume import PPO_INDEX, check_same_inputs
+from rlhf_cli.rundir import InputRecord, Manifest, RunDir
 from rlhf_cli.scoring import RewardScorer
 
 
 def policy_source(
-    recipe: Recipe, run: RunDir, inputs: dict[str, Any], needed_by: str = "rlhf ppo"
+    recipe: Recipe, run: RunDir, inputs: dict[str, InputRecord], needed_by: str = "rlhf ppo"
 ) -> tuple[str, Path | None, str]:
     """(base weights, SFT adapter to merge or None, tokenizer) the policy starts from; records
     the SFT stage in `inputs` when it is used."""
@@ -44,7 +46,7 @@ def policy_source(
         name = recipe.model.name_or_path
         return name, None, recipe.model.tokenizer or name
     source = run.owner("sft")  # this run's, or its `run.base`'s
-    manifest = source.require("sft", needed_by)
+    manifest = require(source, "sft", needed_by)
     inputs["sft"] = source.input_record("sft")
     tokenizer = str(source.resolve_output("sft", manifest, "tokenizer"))
     if "model" in manifest["outputs"]:
@@ -53,7 +55,7 @@ def policy_source(
 
 
 def reward_source(
-    recipe: Recipe, run: RunDir, inputs: dict[str, Any], needed_by: str = "rlhf ppo"
+    recipe: Recipe, run: RunDir, inputs: dict[str, InputRecord], needed_by: str = "rlhf ppo"
 ) -> tuple[str | None, str | None]:
     """(reward model, reward tokenizer): the recipe's frozen model or the train-rm output;
     (None, None) when the reward is `reward.functions` alone."""
@@ -63,13 +65,15 @@ def reward_source(
         name = recipe.reward.pretrained
         return name, recipe.reward.tokenizer or name
     source = run.owner("rm")  # this run's, or its `run.base`'s
-    manifest = source.require("rm", needed_by)
+    manifest = require(source, "rm", needed_by)
     inputs["rm"] = source.input_record("rm")
     path = str(source.resolve_output("rm", manifest, "model"))
     return path, str(source.resolve_output("rm", manifest, "tokenizer"))
 
 
-def check_sft_fits(made: dict[str, Any], sft_now: dict[str, Any], what: str, kind: str) -> None:
+def check_sft_fits(
+    made: Manifest | dict[str, Any], sft_now: dict[str, InputRecord], what: str, kind: str
+) -> None:
     """A policy stands on the SFT model it was made from: an adapter (or LoRA checkpoint) only
     fits it, and whole weights measure their KL against it. `made` (its manifest or checkpoint
     state) must record the sft stage that `sft_now` holds."""
@@ -88,14 +92,14 @@ class TrainedPolicy:
     label: str  # names the audited thing in reports, e.g. "ppo" or "iter_00050"
 
 
-def _stage_manifest(folder: Path) -> dict[str, Any] | None:
+def _stage_manifest(folder: Path) -> Manifest | None:
     """The manifest of a stage folder, read through RunDir (its errors name the file)."""
     run, stage = RunDir.of_stage_dir(folder)
     return run.read_manifest(stage)
 
 
 def _kind(folder: Path) -> str:
-    if (folder / "checkpoint.json").is_file():
+    if (folder / PPO_INDEX).is_file():
         return "checkpoint"
     manifest = _stage_manifest(folder)
     if manifest is not None and manifest.get("stage") in ("ppo", "merged"):
@@ -118,18 +122,18 @@ def load_trained_policy(
     model_cfg = model_cfg or recipe.model
     folder = Path(source) if source is not None else run.stage_dir("ppo")
     if source is None:
-        run.require("ppo", "this command")
+        require(run, "ppo", "this command")
     if not folder.is_dir():
         what = "is a file, not" if folder.exists() else "does not exist: give"
         raise StageError(f"{folder} {what} a PPO run, checkpoint, adapter or model folder")
     kind = _kind(folder)
-    sft_now: dict[str, Any] = {}
+    sft_now: dict[str, InputRecord] = {}
     base, sft_adapter, tok_source = policy_source(recipe, run, sft_now, "this command")
     if kind == "checkpoint":
         check_sft_fits(checkpoint_state(folder), sft_now, f"the checkpoint {folder}", "adapter")
     if kind in ("merged", "ppo"):
         owner, stage = RunDir.of_stage_dir(folder)
-        manifest = owner.require(stage, "this command")
+        manifest = require(owner, stage, "this command")
         if kind == "ppo":
             tok_source = str(owner.resolve_output(stage, manifest, "tokenizer"))
         kind = "adapter" if "adapter" in manifest["outputs"] else "model"

@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from rlhf_cli.cli import app
 from rlhf_cli.recipe import load_recipe
-from rlhf_cli.rundir import RunDir, StageRecord
+from rlhf_cli.record import StageRecord
+from rlhf_cli.rundir import RunDir
 
 
 def invoke(*args: str):
@@ -127,10 +128,8 @@ def test_a_policy_trained_on_a_replaced_sft_is_refused(make_recipe, chdir_tmp, m
     model made from the old SFT (its KL reference), and `ppo --resume` refuses to continue on
     the new SFT. A failed re-run of sft keeps the old result (and its
     finish time): nothing is refused."""
-    from rlhf_cli import rundir
-
     clock = iter(f"2026-12-03T10:{minute:02d}:00+00:00" for minute in range(60))
-    monkeypatch.setattr(rundir, "now_iso", lambda: next(clock))
+    monkeypatch.setattr("rlhf_cli.record.now_iso", lambda: next(clock))
     path = make_recipe()
     recipe = load_recipe(path)
     run = RunDir.for_recipe(recipe)

@@ -21,6 +21,7 @@ from tracker_stores import TRACKER_PROJECT, assert_trackers_hold
 
 from rlhf_cli.errors import StageError
 from rlhf_cli.recipe import load_recipe
+from rlhf_cli.resume import ppo_checkpoint_problem
 from rlhf_cli.rundir import RunDir
 from rlhf_cli.tracking import MetricsWriter, read_metrics
 
@@ -380,7 +381,7 @@ def test_full_disk_while_checkpointing_keeps_the_previous_one(
         run_ppo(recipe, QUIET)
     checkpoints = RunDir.for_recipe(recipe).stage_dir("ppo") / "checkpoints"
     assert [p.name for p in checkpoints.iterdir()] == ["iter_00004"]  # no half-written folder
-    assert ckpt.verify(checkpoints / "iter_00004") is None
+    assert ppo_checkpoint_problem(checkpoints / "iter_00004") is None
     manifest = json.loads(RunDir.for_recipe(recipe).manifest_path("ppo").read_text())
     assert manifest["status"] == "failed" and "CheckpointWriteError" in manifest["error"]
 

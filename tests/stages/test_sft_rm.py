@@ -13,6 +13,7 @@ from rich.console import Console
 
 from rlhf_cli.errors import StageError
 from rlhf_cli.recipe import Recipe, load_recipe
+from rlhf_cli.record import require
 from rlhf_cli.rundir import RunDir
 from rlhf_cli.tracking import read_metrics
 
@@ -71,7 +72,7 @@ def test_sft_manifest_is_completed(sft_full) -> None:
     assert manifest["metrics"]["train_rows"] == 360 and manifest["metrics"]["eval_rows"] == 40
     assert (run.output_dir / "LATEST").read_text().strip() == recipe.run.name
     assert load_recipe(run.recipe_path()).sha256() == recipe.sha256()
-    assert run.require("sft", needed_by="test")["status"] == "completed"
+    assert require(run, "sft", needed_by="test")["status"] == "completed"
 
 
 def test_sft_lowers_the_held_out_loss(sft_full) -> None:
@@ -210,7 +211,7 @@ def test_pair_input_trains_on_the_scorers_encoding_with_its_token_types(
     """`reward.input: pair` on MiniLM: train-rm's chosen / rejected rows are the scorer's
     encoding, `tokenizer(prompt, answer)` with its token types, and those types reach the model
     in training (TRL's own collator would drop them)."""
-    from rlhf_cli.rundir import StageRecord
+    from rlhf_cli.record import StageRecord
     from rlhf_cli.stages.reward import setup, train
     from rlhf_cli.tracking import Trackers
 

@@ -14,7 +14,8 @@ from rich.console import Console
 
 from rlhf_cli.modeling import is_checkpointing
 from rlhf_cli.recipe import Recipe, load_recipe
-from rlhf_cli.rundir import RunDir, StageRecord
+from rlhf_cli.record import StageRecord
+from rlhf_cli.rundir import RunDir
 from rlhf_cli.tracking import Trackers
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from rlhf_cli.ppo import checkpoint as ckpt
 from rlhf_cli.ppo.core import AdaptiveKLController, FixedKLController
 from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.ppo.sharding import Engine
-from rlhf_cli.rundir import newest_whole
+from rlhf_cli.resume import newest_whole, ppo_checkpoint_problem
 
 FILES = [
     "optimizer.pt",
@@ -118,7 +118,7 @@ def test_save_writes_every_file_and_an_index_that_verifies(tmp_path):
         "processes": 1,
         "seen": 12,
     }
-    assert ckpt.verify(folder) is None
+    assert ppo_checkpoint_problem(folder) is None
     assert [p.name for p in tmp_path.iterdir()] == ["iter_00007"]  # no temporary folder left
 
 
@@ -164,7 +164,7 @@ def test_verify_names_what_is_wrong(tmp_path, damage, problem):
         index.write_text('{"iteration": 1, "sha256": {}}')
     else:
         index.write_text('{"iteration": 1}')
-    assert ckpt.verify(folder) == problem
+    assert ppo_checkpoint_problem(folder) == problem
 
 
 def test_a_flipped_byte_of_the_same_length_is_caught(tmp_path):
@@ -173,14 +173,14 @@ def test_a_flipped_byte_of_the_same_length_is_caught(tmp_path):
     text = state.read_text()
     state.write_text(text.replace('"iteration": 1', '"iteration": 2'))
     assert len(state.read_text()) == len(text)
-    assert ckpt.verify(folder) == "state.json does not match its checksum"
+    assert ppo_checkpoint_problem(folder) == "state.json does not match its checksum"
 
 
 def test_newest_valid_picks_the_newest_whole_checkpoint(tmp_path):
     parts = Parts(0)
     for iteration in (2, 4, 10):
         parts.save(tmp_path, iteration)
-    folder, notes = newest_whole(tmp_path, "iter_", ckpt.verify)
+    folder, notes = newest_whole(tmp_path, "iter_", ppo_checkpoint_problem)
     assert folder == tmp_path / "iter_00010" and notes == []
 
 
@@ -189,7 +189,7 @@ def test_newest_valid_orders_by_iteration_number_not_by_name(tmp_path):
     for iteration in (99999, 100000):
         parts.save(tmp_path, iteration)
     (tmp_path / "iter_notes.txt").write_text("not a checkpoint")
-    folder, notes = newest_whole(tmp_path, "iter_", ckpt.verify)
+    folder, notes = newest_whole(tmp_path, "iter_", ppo_checkpoint_problem)
     assert folder == tmp_path / "iter_100000" and notes == []
 
 
@@ -201,7 +201,7 @@ def test_newest_valid_skips_corrupt_ones_with_a_note_each(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     (tmp_path / "iter_00006" / "checkpoint.json").unlink()
     (tmp_path / "iter_00004" / "checkpoint.json").write_text("not json")
-    folder, notes = newest_whole(tmp_path, "iter_", ckpt.verify)
+    folder, notes = newest_whole(tmp_path, "iter_", ppo_checkpoint_problem)
     assert folder == tmp_path / "iter_00002"
     assert notes == [
         "checkpoint iter_00008 is corrupt (policy.safetensors does not match its checksum); "
@@ -212,10 +212,10 @@ def test_newest_valid_skips_corrupt_ones_with_a_note_each(tmp_path):
 
 
 def test_newest_valid_with_nothing_usable(tmp_path):
-    assert newest_whole(tmp_path / "absent", "iter_", ckpt.verify) == (None, [])
+    assert newest_whole(tmp_path / "absent", "iter_", ppo_checkpoint_problem) == (None, [])
     Parts(0).save(tmp_path, 3)
     (tmp_path / "iter_00003" / "checkpoint.json").unlink()
-    folder, notes = newest_whole(tmp_path, "iter_", ckpt.verify)
+    folder, notes = newest_whole(tmp_path, "iter_", ppo_checkpoint_problem)
     assert folder is None and len(notes) == 1 and "iter_00003" in notes[0]
 
 
@@ -224,8 +224,8 @@ def test_a_leftover_temporary_folder_is_never_picked(tmp_path):
     parts.save(tmp_path, 1)
     whole = parts.save(tmp_path / "elsewhere", 9)  # a complete, verifying folder ...
     whole.rename(tmp_path / ".iter_00009.tmp4242")  # ... left under its temporary name
-    assert ckpt.verify(tmp_path / ".iter_00009.tmp4242") is None
-    assert newest_whole(tmp_path, "iter_", ckpt.verify) == (tmp_path / "iter_00001", [])
+    assert ppo_checkpoint_problem(tmp_path / ".iter_00009.tmp4242") is None
+    assert newest_whole(tmp_path, "iter_", ppo_checkpoint_problem) == (tmp_path / "iter_00001", [])
 
 
 def test_failed_write_leaves_no_folder_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -246,7 +246,7 @@ def test_failed_write_leaves_no_folder_and_keeps_the_previous_checkpoint(tmp_pat
         parts.save(tmp_path, 2)
     assert written == ["optimizer.pt"]  # it did fail midway
     assert [p.name for p in tmp_path.iterdir()] == ["iter_00001"]
-    assert ckpt.verify(previous) is None
+    assert ppo_checkpoint_problem(previous) is None
     assert ckpt.file_sha256(previous / "policy.safetensors") == digest
 
 
@@ -264,7 +264,7 @@ def test_failed_rewrite_of_the_same_iteration_keeps_the_old_one(tmp_path, monkey
         parts.save(tmp_path, 5)
     assert [p.name for p in tmp_path.iterdir()] == ["iter_00005"]
     assert json.loads((folder / "checkpoint.json").read_text()) == before
-    assert ckpt.verify(folder) is None
+    assert ppo_checkpoint_problem(folder) is None
 
 
 def test_saving_the_same_iteration_again_replaces_it(tmp_path):
@@ -272,7 +272,7 @@ def test_saving_the_same_iteration_again_replaces_it(tmp_path):
     parts.save(tmp_path, 5, extra={"seen": 1})
     folder = parts.save(tmp_path, 5, extra={"seen": 2})
     assert json.loads((folder / "state.json").read_text())["seen"] == 2
-    assert ckpt.verify(folder) is None
+    assert ppo_checkpoint_problem(folder) is None
     assert [p.name for p in tmp_path.iterdir()] == ["iter_00005"]
 
 
@@ -446,7 +446,7 @@ def test_a_failed_write_says_what_to_do_by_its_cause(code, remedy):
     ],
 )
 def test_a_trainer_checkpoint_is_whole_only_with_what_resume_loads(tmp_path, files, problem):
-    from rlhf_cli.stages.common import resume_checkpoint
+    from rlhf_cli.resume import trainer_resume_point
 
     def write(folder, names, step):
         for name in names:
@@ -459,7 +459,7 @@ def test_a_trainer_checkpoint_is_whole_only_with_what_resume_loads(tmp_path, fil
     folder = tmp_path / "checkpoints" / "checkpoint-4"
     write(folder, files, 4)
     if problem is None:
-        assert resume_checkpoint(tmp_path, "rlhf sft") == (folder, [])
+        assert trainer_resume_point(tmp_path, "rlhf sft") == (folder, [])
     else:
         note = f"checkpoint checkpoint-4 is corrupt ({problem}); skipped"
-        assert resume_checkpoint(tmp_path, "rlhf sft") == (older, [note])
+        assert trainer_resume_point(tmp_path, "rlhf sft") == (older, [note])

@@ -13,7 +13,8 @@ import yaml
 
 from rlhf_cli.errors import StageError
 from rlhf_cli.recipe import Recipe, parse_recipe
-from rlhf_cli.rundir import RunDir, StageRecord
+from rlhf_cli.record import StageRecord
+from rlhf_cli.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((REPO / "recipes" / "tiny.yaml").read_text())
@@ -57,7 +58,7 @@ def test_a_stale_lock_is_taken_over_and_released(tmp_path):
 def test_a_lock_whose_pid_now_belongs_to_another_program_is_stale(tmp_path):
     """The lock records when its process started: a live process under the same pid that
     started at another time is not the holder (pid reuse), so the run is not busy forever."""
-    from rlhf_cli.rundir import _process_start
+    from rlhf_cli.record import _process_start
 
     recipe = _recipe(tmp_path)
     run = RunDir.for_recipe(recipe)

@@ -12,7 +12,8 @@ import pytest
 from rlhf_cli import rundir
 from rlhf_cli.errors import StageError
 from rlhf_cli.recipe import Recipe, parse_recipe
-from rlhf_cli.rundir import RunDir, StageRecord, atomic_write_json, file_sha256
+from rlhf_cli.record import StageRecord, require
+from rlhf_cli.rundir import RunDir, atomic_write_json, file_sha256
 
 MANIFEST_KEYS = {
     "stage",
@@ -80,6 +81,26 @@ def test_a_damaged_latest_pointer_is_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "LATEST").write_bytes(b"\x00\xff")
     with pytest.raises(StageError, match=r"LATEST is damaged .*--recipe"):
         RunDir.latest(tmp_path)
+
+
+def test_the_manifest_type_declares_every_key_a_stage_record_writes(
+    run: RunDir, recipe: Recipe
+) -> None:
+    """`Manifest` is what readers are typed against: a key StageRecord writes (on success,
+    failure, or a failed re-run's `last_attempt` note) that it does not declare is a drift."""
+    from rlhf_cli.rundir import Manifest
+
+    declared = set(Manifest.__annotations__)
+    with StageRecord(run, "sft", recipe, inputs={}):
+        pass
+    with pytest.raises(ValueError), StageRecord(run, "sft", recipe, inputs={}):
+        raise ValueError("boom")
+    with pytest.raises(ValueError), StageRecord(run, "rm", recipe, inputs={}) as record:
+        record.replacing()
+        raise ValueError("boom")
+    sft, rm = run.read_manifest("sft"), run.read_manifest("rm")
+    assert MANIFEST_KEYS <= declared
+    assert set(sft) | set(rm) <= declared and {"last_attempt", "error"} <= set(sft) | set(rm)
 
 
 def test_latest_ignores_a_pointer_to_a_missing_run(tmp_path: Path) -> None:
@@ -186,7 +207,7 @@ def test_write_false_leaves_no_manifest(run: RunDir, recipe: Recipe) -> None:
 @pytest.mark.parametrize(("stage", "command"), [("sft", "rlhf sft"), ("rm", "rlhf train-rm")])
 def test_require_missing_stage_names_the_command(run: RunDir, stage: str, command: str) -> None:
     with pytest.raises(StageError) as info:
-        run.require(stage, needed_by="rlhf ppo")
+        require(run, stage, needed_by="rlhf ppo")
     message = str(info.value)
     assert f"run `{command}` first" in message
     assert "missing" in message and "'demo'" in message
@@ -199,7 +220,7 @@ def test_require_not_completed_stage(run: RunDir, recipe: Recipe, status: str) -
     record.manifest["status"] = status
     record.save()
     with pytest.raises(StageError) as info:
-        run.require("rm", needed_by="rlhf ppo")
+        require(run, "rm", needed_by="rlhf ppo")
     shown = "stopped (its process is gone)" if status == "running" else f"'{status}'"
     assert f"status is {shown}: run `rlhf train-rm` again first" in str(info.value)
 
@@ -217,27 +238,27 @@ def test_a_stopped_stage_with_checkpoints_is_resumed_not_rerun(
     record.manifest["status"] = status
     record.save()
     with pytest.raises(StageError, match=f"run `{command}` again first"):
-        run.require(stage, needed_by="rlhf merge")
+        require(run, stage, needed_by="rlhf merge")
     (record.dir / "checkpoints").mkdir()
     (record.dir / "checkpoints" / "README.md").write_text("TRL's model card, no checkpoint")
     (record.dir / "checkpoints" / ".iter_00002.tmp42").mkdir()  # a write cut short
     with pytest.raises(StageError, match=f"run `{command}` again first"):
-        run.require(stage, needed_by="rlhf merge")
+        require(run, stage, needed_by="rlhf merge")
     (record.dir / "checkpoints" / "checkpoint-2").mkdir()
     with pytest.raises(StageError, match=f"resume it with `{command} --resume`"):
-        run.require(stage, needed_by="rlhf merge")
+        require(run, stage, needed_by="rlhf merge")
 
 
 def test_a_stage_still_running_says_so(run: RunDir, recipe: Recipe) -> None:
     with StageRecord(run, "ppo", recipe, inputs={}):  # this process holds the lock
         with pytest.raises(StageError, match=f"still running \\(pid {os.getpid()}"):
-            run.require("ppo", needed_by="rlhf audit")
+            require(run, "ppo", needed_by="rlhf audit")
 
 
 def test_require_completed_returns_manifest_and_input_record(run: RunDir, recipe: Recipe) -> None:
     with StageRecord(run, "sft", recipe, inputs={}) as record:
         record.manifest["outputs"] = {"adapter": "adapter"}
-    manifest = run.require("sft", needed_by="rlhf ppo")
+    manifest = require(run, "sft", needed_by="rlhf ppo")
     assert manifest["status"] == "completed"
     assert run.resolve_output("sft", manifest, "adapter") == run.stage_dir("sft") / "adapter"
     with pytest.raises(StageError, match="lists no output 'model'.*rlhf sft"):
@@ -333,7 +354,7 @@ def test_a_run_takes_sft_and_rm_from_its_base_only_where_it_has_none(recipe: Rec
     variant = RunDir(recipe.run.output_dir, "variant", base="base")
     assert variant.owner("sft").name == "base" and variant.owner("rm").name == "base"
     assert variant.owner("ppo") is variant  # only sft and rm are taken
-    assert variant.owner("sft").require("sft", "rlhf ppo")["status"] == "completed"
+    assert require(variant.owner("sft"), "sft", "rlhf ppo")["status"] == "completed"
     with StageRecord(variant, "sft", recipe, inputs={}):
         pass
     assert variant.owner("sft") is variant  # its own, once it has one
@@ -343,14 +364,14 @@ def test_a_run_takes_sft_and_rm_from_its_base_only_where_it_has_none(recipe: Rec
 def test_a_missing_sft_names_a_run_to_take_it_from(recipe: Recipe) -> None:
     alone = RunDir(recipe.run.output_dir, "first")
     with pytest.raises(StageError, match=r"run `rlhf sft` first$"):
-        alone.require("sft", "rlhf ppo")
+        require(alone, "sft", "rlhf ppo")
     with StageRecord(alone, "sft", recipe, inputs={}):
         pass
     with pytest.raises(
         StageError,
         match=r"run `rlhf sft` first, or take it from run 'first': --set run.base=first$",
     ):
-        RunDir(recipe.run.output_dir, "second").require("sft", "rlhf ppo")
+        require(RunDir(recipe.run.output_dir, "second"), "sft", "rlhf ppo")
 
 
 def test_a_run_cannot_be_its_own_base() -> None:
@@ -358,32 +379,6 @@ def test_a_run_cannot_be_its_own_base() -> None:
 
     with pytest.raises(ValueError, match=r"names this run itself \(x\): name another run"):
         RunSection(name="x", base="x")
-
-
-def test_a_repeat_signal_from_a_launcher_is_the_same_ctrl_c(monkeypatch) -> None:
-    """torchrun forwards the terminal's Ctrl-C to workers that got it already: a second
-    signal within REPEAT_S is the same one; a later one stops at once, saying what was saved."""
-    import os
-    import signal
-
-    from rich.console import Console
-
-    from rlhf_cli import rundir
-
-    clock = [100.0]
-    monkeypatch.setattr(rundir.time, "monotonic", lambda: clock[0])
-    with rundir.graceful_stop(Console(quiet=True), "step") as flag:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert flag.requested
-        clock[0] += rundir.REPEAT_S / 2
-        os.kill(os.getpid(), signal.SIGTERM)  # forwarded: ignored
-        flag.saved = "checkpoint-4 (step 4)"
-        clock[0] += rundir.REPEAT_S
-        with pytest.raises(
-            KeyboardInterrupt, match=r"newest checkpoint is checkpoint-4 \(step 4\)"
-        ):
-            os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
 def test_a_failed_stage_with_checkpoints_is_resumed_or_started_over(
@@ -396,7 +391,7 @@ def test_a_failed_stage_with_checkpoints_is_resumed_or_started_over(
     with pytest.raises(
         StageError, match=r"resume it with `rlhf sft --resume` \(or start over with `rlhf sft`\)"
     ):
-        run.require("sft", needed_by="rlhf ppo")
+        require(run, "sft", needed_by="rlhf ppo")
     assert (run.output_dir / "LATEST").read_text().strip() == "demo"  # resumable: kept
 
 

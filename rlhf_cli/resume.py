@@ -1,0 +1,144 @@
+"""Checkpoints and `--resume`: every search for a stage's checkpoints, what makes one whole, and
+whether what a checkpoint or result was made from still stands.
+
+```
+<stage>/checkpoints/iter_NNNNN/       PPO's (`ppo/checkpoint.py` writes them)
+<stage>/checkpoints/checkpoint-N/     the TRL Trainer's (sft, rm)
+```
+A folder counts by its prefix and number; `newest_whole` picks the newest that a stage's
+`problem` check finds whole, skipping damaged ones with a note.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlhf_cli.errors import StageError
+from rlhf_cli.rundir import InputRecord, Manifest, RunDir, file_sha256
+
+RESUMABLE = {"sft", "rm", "ppo"}  # stages whose command takes --resume
+PPO_CHECKPOINT, TRAINER_CHECKPOINT = "iter_", "checkpoint-"  # + the iteration / step number
+CHECKPOINT_PREFIXES = (PPO_CHECKPOINT, TRAINER_CHECKPOINT)
+PPO_INDEX = "checkpoint.json"  # a PPO checkpoint's file list and checksums, written last
+
+
+def numbered(root: Path, prefix: str) -> list[Path]:
+    """The checkpoint folders `<root>/<prefix><N>`, oldest (smallest N) first; [] without
+    `root`."""
+    found = [f for f in root.glob(f"{prefix}*") if f.is_dir() and f.name[len(prefix) :].isdigit()]
+    return sorted(found, key=lambda f: int(f.name[len(prefix) :]))
+
+
+def newest_whole(
+    root: Path, prefix: str, problem: Callable[[Path], str | None]
+) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint folder `<root>/<prefix><N>` (by N) that `problem` finds whole
+    (None), and a note for each newer one skipped."""
+    notes = []
+    for folder in reversed(numbered(root, prefix)):
+        why = problem(folder)
+        if why is None:
+            return folder, notes
+        notes.append(f"checkpoint {folder.name} is corrupt ({why}); skipped")
+    return None, notes
+
+
+def resume_point(
+    root: Path, prefix: str, problem: Callable[[Path], str | None], command: str
+) -> tuple[Path, list[str]]:
+    """`newest_whole`, or a StageError when there is none: `--resume` cannot continue."""
+    folder, notes = newest_whole(root, prefix, problem)
+    if folder is None:
+        raise StageError(
+            f"--resume: no usable checkpoint under {root}"
+            + (f" ({len(notes)} damaged)" if notes else "")
+            + f"; run `{command}` without --resume to start over"
+        )
+    return folder, notes
+
+
+def resumable(run: RunDir, stage: str) -> bool:
+    """`stage` of `run` has checkpoints its command's `--resume` can start from: folders named
+    as `newest_whole` looks for them (a prefix of `CHECKPOINT_PREFIXES`, then the number)."""
+    checkpoints = run.stage_dir(stage) / "checkpoints"
+    return stage in RESUMABLE and any(numbered(checkpoints, p) for p in CHECKPOINT_PREFIXES)
+
+
+def ppo_checkpoint_problem(folder: Path) -> str | None:
+    """What is wrong with a PPO checkpoint (None: whole): every file `checkpoint.json` lists
+    must be there with its checksum."""
+    index = folder / PPO_INDEX
+    if not index.is_file():
+        return "no checkpoint.json (incomplete write)"
+    try:
+        expected = json.loads(index.read_text())["sha256"]
+        names = list(expected.items())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return "checkpoint.json is unreadable"
+    if not names:
+        return "checkpoint.json lists no files"
+    for name, digest in names:
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if file_sha256(path) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def trainer_resume_point(stage_dir: Path, command: str) -> tuple[Path, list[str]]:
+    """The newest whole Trainer checkpoint under `stage_dir/checkpoints` and a note for each
+    newer, damaged one skipped; StageError when there is none. The Trainer writes
+    `trainer_state.json` last, so a checkpoint without a readable one was cut short."""
+    return resume_point(
+        stage_dir / "checkpoints", TRAINER_CHECKPOINT, trainer_checkpoint_problem, command
+    )
+
+
+def trainer_checkpoint_problem(folder: Path) -> str | None:
+    """What is missing from a Trainer checkpoint (None: whole). DeepSpeed keeps weights and
+    optimizer in `global_step*/`; otherwise the weights (safetensors, or FSDP's files), the
+    optimizer and `scheduler.pt` must be there: without the latter transformers would resume
+    with a fresh optimizer and schedule, silently."""
+    try:
+        step = json.loads((folder / "trainer_state.json").read_text())["global_step"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        return "no readable trainer_state.json"
+    if not isinstance(step, int):
+        return "trainer_state.json has no step"
+    if any(folder.glob("global_step*")):
+        return None
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*")):
+        return "no weights"
+    if not any(
+        (folder / name).exists() for name in ("optimizer.pt", "optimizer.bin", "optimizer_0")
+    ):
+        return "no optimizer state"
+    if not (folder / "scheduler.pt").is_file():
+        return "no scheduler.pt"
+    return None
+
+
+def check_same_inputs(
+    made: Manifest | dict[str, Any],
+    now: dict[str, InputRecord],
+    stages: tuple[str, ...],
+    what: str,
+    remedy: str,
+) -> None:
+    """`made` (a manifest, or a PPO checkpoint's `state.json`, which keeps the same `inputs`)
+    records the input stages it was made from; `now` holds their input records as they are
+    today. An input stage that finished again since (`rlhf sft` run anew,
+    or `run.base` naming another run) is a StageError: what was made on it no longer fits."""
+    recorded = made.get("inputs") or {}
+    for stage in stages:
+        was, current = recorded.get(stage) or {}, now.get(stage) or {}
+        if was.get("finished_at") and current.get("finished_at") not in (None, was["finished_at"]):
+            raise StageError(
+                f"{what} was made from the {stage} stage that finished at {was['finished_at']} "
+                f"({was.get('path')}); the one here now finished at {current['finished_at']} "
+                f"({current.get('path')}): {remedy}"
+            )
