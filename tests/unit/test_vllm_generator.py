@@ -95,3 +95,59 @@ def test_a_sleeping_engine_wakes_before_every_generation_and_sleeps_after(sleeps
     assert llm.calls == (
         [*asleep, *woken, *reload, *asleep] + [*woken, *asleep] * 2 + [*woken, *reload, *asleep]
     )
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"), [("0.11.2", True), ("0.31.9", True), ("0.32.0", False)]
+)
+def test_a_vllm_older_than_the_tested_floor_is_refused_in_one_line(monkeypatch, version, refused):
+    from rlhf_cli.errors import ModelLoadError
+    from rlhf_cli.generation import vllm as backend
+
+    monkeypatch.setattr(backend.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(backend, "installed_vllm", lambda: version)
+    if not refused:
+        backend.check_vllm(four_bit=False)
+        return
+    with pytest.raises(ModelLoadError, match=rf"needs vLLM >= 0.32 .*; {version} is installed"):
+        backend.check_vllm(four_bit=False)
+
+
+def test_merged_weights_stream_one_layer_at_a_time_and_equal_peft_merge():
+    """The weights reach vLLM one at a time: no LoRA delta is computed before the first weight
+    is handed over, and together they are peft's own merge."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_cli.generation.vllm import merged_weights
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    policy = get_peft_model(
+        LlamaForCausalLM(config), LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    )
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    calls = []
+    for module in policy.modules():
+        if hasattr(module, "get_delta_weight"):
+            real = module.get_delta_weight
+            module.get_delta_weight = lambda adapter, real=real: calls.append(1) or real(adapter)
+    stream = merged_weights(policy)
+    first_key, _ = next(stream)
+    assert first_key == "model.embed_tokens.weight" and calls == []
+    streamed = {first_key: _, **dict(stream)}
+    assert len(calls) == 4  # q and v of two layers, each once
+    expected = policy.merge_and_unload().state_dict()
+    assert streamed.keys() == expected.keys()
+    for key, value in streamed.items():
+        torch.testing.assert_close(value, expected[key], msg=key)
