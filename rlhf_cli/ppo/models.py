@@ -76,18 +76,25 @@ class PolicyAndValue(nn.Module):
         self, input_ids: Tensor, attention_mask: Tensor, response_width: int
     ) -> tuple[Tensor, Tensor]:
         position_ids = position_ids_from(attention_mask)
-        shared = self.value_head is not None
-        out = self.policy(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            output_hidden_states=shared,
-            use_cache=False,
-            logits_to_keep=response_width + 1,
-        )
+        # the shared head reads the LM head's input (the last hidden state of the kept
+        # positions), taken on its way in: `output_hidden_states` would keep every layer's
+        seen: list[Tensor] = []
+        head = self.policy.get_output_embeddings() if self.value_head is not None else None
+        hook = head.register_forward_pre_hook(lambda m, a: seen.append(a[0])) if head else None
+        try:
+            out = self.policy(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=response_width + 1,
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
         states = slice(-(response_width + 1), -1)
-        if shared:
-            hidden = out.hidden_states[-1][:, states]
+        if seen:
+            hidden = seen[-1][:, :-1]
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
         elif self.critic is not None:
             values = self.critic(input_ids, attention_mask, position_ids)[:, states]

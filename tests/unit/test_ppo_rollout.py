@@ -44,6 +44,22 @@ def test_actor_returns_the_logits_and_values_of_the_response_positions(tiny_acto
     assert_close(values, full_values[:, 0:3], atol=1e-5, rtol=1e-5)
 
 
+def test_the_shared_value_head_keeps_no_layer_but_the_last(tiny_actor):
+    """Values come from the LM head's input, not from `output_hidden_states` (which would keep
+    every layer's hidden states of the batch alive)."""
+    asked = []
+    hook = tiny_actor.policy.register_forward_pre_hook(
+        lambda module, args, kwargs: asked.append(kwargs.get("output_hidden_states")),
+        with_kwargs=True,
+    )
+    ids, mask = left_pad([[5, 6, 7]], pad_id=0, device=torch.device("cpu"))
+    try:
+        tiny_actor(ids, mask, 2)
+    finally:
+        hook.remove()
+    assert asked == [None]
+
+
 def test_value_head_starts_at_zero(tiny_actor):
     actor = tiny_actor
     ids, mask = left_pad([[5, 6, 7]], pad_id=0, device=torch.device("cpu"))
