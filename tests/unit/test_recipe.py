@@ -190,7 +190,7 @@ def test_embedded_default_recipe_validates(repo_root: Path) -> None:
         ),
         (
             "  base_model: builtin:minilm\n",
-            "  base_model: builtin:minilm\n  pretrained: builtin:x\n",
+            "  base_model: builtin:minilm\n  pretrained: builtin:tiny-lm\n",
             "reward.pretrained",
             15,
             "not both",
