@@ -34,9 +34,15 @@ def make_console(quiet: bool = False, json_mode: bool = False) -> Console:
 
 
 def quiet_libraries() -> None:
-    """Library chatter (load reports, shard bars) would drown the stage's own progress."""
+    """Library chatter (load reports, shard bars) would drown the stage's own progress; and
+    DeepSpeed, which transformers and accelerate import wherever it is installed, warns on every
+    command without CUDA that it "set the accelerator to CPU" unless it is told so."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
     import transformers
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
