@@ -39,3 +39,34 @@ BUILTIN = {
 def chat_template_text(choice: str) -> str:
     """The Jinja text of a built-in template's name, or of a template file's path."""
     return BUILTIN.get(choice) or Path(choice).read_text(encoding="utf-8")
+
+
+def chat_template_problem(text: str) -> str | None:
+    """Why a chat template cannot serve (None when it can): it must compile in the sandboxed
+    Jinja environment transformers renders with, render one user turn with the generation
+    prompt, and write that turn's content."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals["raise_exception"] = raise_exception
+    try:
+        template = env.from_string(text)
+        rendered = template.render(
+            messages=[{"role": "user", "content": "PROBE"}],
+            add_generation_prompt=True,
+            bos_token="",
+            eos_token="",
+        )
+    except jinja2.TemplateSyntaxError as exc:
+        return f"Jinja syntax error on line {exc.lineno}: {exc.message}"
+    except (jinja2.TemplateError, TypeError, KeyError, IndexError) as exc:
+        return f"does not render a user turn ({exc.__class__.__name__}: {exc})"
+    if "PROBE" not in rendered:
+        return "renders a user turn without its content"
+    return None

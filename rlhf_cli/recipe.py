@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import string
 from pathlib import Path
 from typing import Any, Literal
 
@@ -214,13 +215,19 @@ class ModelSection(Section):
     @field_validator("chat_template")
     @classmethod
     def _template_source(cls, value: str | None, info: ValidationInfo) -> str | None:
-        from rlhf_cli.chat_templates import BUILTIN
+        from rlhf_cli.chat_templates import BUILTIN, chat_template_problem
 
         if value is None or value in BUILTIN:
             return value
         path = _near_recipe(value, info)
         if not path.is_file():
             raise ValueError(f"not one of {', '.join(BUILTIN)} and no file {path}")
+        try:
+            problem = chat_template_problem(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            problem = "is not UTF-8 text"
+        if problem is not None:
+            raise ValueError(f"{path}: {problem}")
         return str(path.resolve())
 
     @field_validator("name_or_path", "tokenizer")
@@ -411,8 +418,23 @@ class RewardSection(TrainerSection):
     @field_validator("template")
     @classmethod
     def _template_fields(cls, value: str) -> str:
-        if "{prompt}" not in value or "{response}" not in value:
+        literal = "a literal brace is written {{ or }}"
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
+        except ValueError as exc:
+            raise ValueError(f"{exc} ({literal})") from None
+        unknown = sorted({f for f in fields if f not in ("prompt", "response")})
+        if unknown:
+            raise ValueError(
+                f"unknown placeholder {{{unknown[0]}}}: only {{prompt}} and {{response}} are "
+                f"filled in ({literal})"
+            )
+        if "prompt" not in fields or "response" not in fields:
             raise ValueError("must contain both {prompt} and {response}")
+        try:
+            value.format(prompt="", response="")
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{exc} ({literal})") from None
         return value
 
     @model_validator(mode="after")
@@ -636,7 +658,16 @@ class AuditSection(Section):
     @field_validator("prompts_file")
     @classmethod
     def _local_file(cls, value: str | None, info: ValidationInfo) -> str | None:
-        return None if value is None else _resolve_local(value, info, "audit prompts file")
+        if value is None:
+            return None
+        path = _resolve_local(value, info, "audit prompts file")
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not UTF-8 text") from None
+        if not any(line.strip() for line in lines):
+            raise ValueError(f"{path} holds no prompt (one a line)")
+        return path
 
 
 class MergeSection(Section):
@@ -658,6 +689,16 @@ class PushSection(Section):
     repo_id: str | None = _f(None, "Hub repository id, `user/name`.", pattern=r"^[\w.-]+/[\w.-]+$")
     private: bool = _f(True, "Create the repository as private.")
     commit_message: str = _f("PPO-aligned model via RLHF", "Commit message of the upload.")
+
+    @field_validator("commit_message")
+    @classmethod
+    def _a_message(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("is empty")
+        control = sorted({c for c in value if ord(c) < 32 and c not in "\n\t"})
+        if control:
+            raise ValueError(f"holds a control character ({control[0]!r})")
+        return value
 
 
 class Recipe(Section):

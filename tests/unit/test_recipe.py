@@ -341,3 +341,53 @@ def test_a_flat_vllm_field_names_its_new_place(tmp_path: Path, old: str, new: st
     assert "ppo.generation" in problem and f"is now {new}" in problem, problem
     nested = edit(VALID, "ppo:\n", "ppo:\n  generation:\n    vllm:\n      sleep: true\n")
     assert load_recipe(write(tmp_path, nested, "ok.yaml")).ppo.generation.vllm.sleep
+
+
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        ("Q: {question}\nA: {response} {prompt}", "unknown placeholder {question}"),
+        ("{prompt} {response} {0}", "unknown placeholder {0}"),
+        ("{prompt} {response} {}", "unknown placeholder {}"),
+        ("{prompt} {response} }", "a literal brace is written {{ or }}"),
+        ("{prompt} { {response}", "a literal brace is written {{ or }}"),
+        ("{prompt!z} {response}", "a literal brace is written {{ or }}"),
+        ("{prompt}", "must contain both {prompt} and {response}"),
+    ],
+)
+def test_a_bad_reward_template_is_one_line_at_validate(tmp_path, template, says) -> None:
+    text = edit(VALID, "reward:\n", f"reward:\n  template: {json.dumps(template)}\n")
+    (problem,) = problems_of(write(tmp_path, text))
+    assert "reward.template" in problem and says in problem, problem
+
+
+def test_literal_braces_in_a_reward_template_still_work(tmp_path) -> None:
+    template = '{{"q": "{prompt}", "a": "{response}"}}'
+    text = edit(VALID, "reward:\n", f"reward:\n  template: {json.dumps(template)}\n")
+    recipe = load_recipe(write(tmp_path, text))
+    assert recipe.reward.template.format(prompt="p", response="r") == '{"q": "p", "a": "r"}'
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("{% for m in messages %}{{ m.content }", "Jinja syntax error on line 1"),
+        ("{{ messages[3].content }}", "does not render a user turn"),
+        ("{% for m in messages %}{{ m.role }}{% endfor %}", "without its content"),
+    ],
+)
+def test_a_broken_chat_template_file_is_one_line_at_validate(tmp_path, content, says) -> None:
+    (tmp_path / "t.jinja").write_text(content, encoding="utf-8")
+    text = edit(VALID, "model:\n", "model:\n  chat_template: t.jinja\n")
+    (problem,) = problems_of(write(tmp_path, text))
+    assert "model.chat_template" in problem and "t.jinja" in problem and says in problem
+
+
+@pytest.mark.parametrize(
+    ("data", "says"), [(b"\n  \n", "holds no prompt"), (b"\xff\xfe\x00bad", "not UTF-8 text")]
+)
+def test_an_unusable_audit_prompts_file_is_one_line_at_validate(tmp_path, data, says) -> None:
+    (tmp_path / "p.txt").write_bytes(data)
+    text = VALID + "audit:\n  prompts_file: p.txt\n"
+    (problem,) = problems_of(write(tmp_path, text))
+    assert "audit.prompts_file" in problem and says in problem, problem

@@ -82,3 +82,44 @@ def test_mutated_tiny_recipe_gives_a_recipe_or_one_line_errors(mutations):
                 else:
                     node[path[-1]] = value
     _parse(yaml.safe_dump(data))
+
+
+# ── every user-written string handed to a formatter or template engine ─────────────────────────
+
+template_pieces = st.sampled_from(
+    ["{prompt}", "{response}", "{", "}", "{{", "}}", "{0}", "{}", "{question}", "{prompt!r}",
+     "{prompt:>8}", "{prompt.upper}", "{response[0]}", "Human: ", "\n", "x", "{prompt!z}"]
+)  # fmt: skip
+
+
+def _with(section: str, key: str, value: object) -> str:
+    data = yaml.safe_load(yaml.safe_dump(TINY))
+    data[section][key] = value
+    return yaml.safe_dump(data)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(template_pieces, min_size=1, max_size=8).map("".join))
+def test_a_reward_template_that_validates_formats_every_pair(template):
+    """Validation refuses the template in one line, or every (prompt, response) formats with
+    it: a bad placeholder never reaches a stage."""
+    try:
+        recipe = parse_recipe(_with("reward", "template", template), "fuzz.yaml", REPO / "recipes")
+    except RecipeError as err:
+        (line,) = err.problems
+        assert line.startswith("fuzz.yaml") and "reward.template" in line and "\n" not in line
+        return
+    text = recipe.reward.template.format(prompt="a {b} c", response="d } e")
+    assert "a {b} c" in text or "{prompt" in template  # a format spec may pad or convert
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.text(max_size=30))
+def test_a_push_commit_message_is_refused_in_one_line_or_kept(message):
+    try:
+        recipe = parse_recipe(_with("push", "commit_message", message), "f.yaml", REPO / "recipes")
+    except RecipeError as err:
+        (line,) = err.problems
+        assert "push.commit_message" in line and "\n" not in line
+        return
+    assert recipe.push.commit_message.strip() and recipe.push.commit_message == message
