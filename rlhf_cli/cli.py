@@ -455,9 +455,11 @@ def compare(
 
 
 def main() -> None:
-    # Before any library import: bitsandbytes logs a missing optional CPU kernel when imported,
-    # and transformers warns about its own upcoming renames; neither is the user's to act on.
+    # Before any library import: bitsandbytes logs a missing optional CPU kernel when imported
+    # (and `kernels`, which looks it up, that it skipped the hub offline), and transformers warns
+    # about its own upcoming renames; none of it is the user's to act on.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    logging.getLogger("kernels").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
     app(prog_name="rlhf")
 
