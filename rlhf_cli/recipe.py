@@ -11,6 +11,7 @@ import hashlib
 import json
 import re
 import string
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -806,6 +807,21 @@ def _format_errors(
     return problems
 
 
+def _holds_text(parts: list[str]) -> bool:
+    """Whether the recipe field at the dotted path `parts` holds text (a `str`, maybe None)."""
+    model: type[BaseModel] = Recipe
+    for depth, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        annotation = field.annotation
+        if depth < len(parts) - 1:
+            if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+                return False
+            model = annotation
+    return annotation is str or set(typing.get_args(annotation)) == {str, type(None)}
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, str]:
     """Set each `dotted.path=value` of `--set` in `data` in place, the value read as YAML (so
     typed as in the file); return {dotted path: the argument} for error messages."""
@@ -819,6 +835,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, str
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        if isinstance(value, dict | list) and _holds_text(parts):
+            value = raw  # `{prompt} ...` or `[wip] ...` meant as text, not YAML's flow style
         node = data
         for depth, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})

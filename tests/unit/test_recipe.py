@@ -391,3 +391,16 @@ def test_an_unusable_audit_prompts_file_is_one_line_at_validate(tmp_path, data, 
     text = VALID + "audit:\n  prompts_file: p.txt\n"
     (problem,) = problems_of(write(tmp_path, text))
     assert "audit.prompts_file" in problem and says in problem, problem
+
+
+def test_a_set_value_in_yaml_flow_style_is_text_where_the_field_is_text(tmp_path) -> None:
+    """`--set` reads values as YAML, but `{x}` or `[wip] ...` given to a text field is text."""
+    path = write(tmp_path, VALID)
+    recipe = load_recipe(path, ["push.commit_message=[wip] tune β"])
+    assert recipe.push.commit_message == "[wip] tune β"
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, ["reward.template={question}"])
+    (problem,) = info.value.problems
+    assert "--set reward.template={question}" in problem and "unknown placeholder" in problem
+    with pytest.raises(RecipeError, match="valid number"):  # numbers stay YAML
+        load_recipe(path, ["ppo.learning_rate=[1]"])
