@@ -148,7 +148,7 @@ def bnb_config(q: QuantizationSection, device: torch.device) -> Any:
 def keep_4bit_unpacked(model: torch.nn.Module) -> torch.nn.Module:
     """Every 4-bit layer of `model` keeps bitsandbytes' standard weight layout on every CPU.
 
-    On a CPU with AVX512-BF16, bitsandbytes (0.48 and later) rewrites a `Linear4bit` weight into
+    On a CPU with AVX512-BF16, bitsandbytes (0.50 here) rewrites a `Linear4bit` weight into
     a packed layout on the layer's first forward that runs in eval mode without gradients (our
     rollout log-probs, the reference, old values, held-out evaluation, the audit). That layout
     (1) has no backward through the layer, so every later training forward silently loses the
