@@ -158,7 +158,8 @@ def keep_4bit_unpacked(model: torch.nn.Module) -> torch.nn.Module:
     quantisation block and out_features by 32, or the forward fails; and (4) is undone at the
     next `state_dict` (any checkpoint save) into another model: bitsandbytes 0.50 leaves the
     block scales in the packed order, which moved the tiny model's logits by 0.36. Called on
-    every 4-bit model we load or rebuild (tests/unit/test_bnb_cpu_packing.py)."""
+    every 4-bit model we load (`_load_weights`; adapters wrap its layers, not rebuild them;
+    tests/unit/test_bnb_cpu_packing.py)."""
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
@@ -319,7 +320,7 @@ def with_trained_adapter(sft_model: Any, folder: Path) -> Any:
         return PeftModel.from_pretrained(sft_model, str(folder))
     sft_model.load_adapter(str(folder), adapter_name=PPO_ADAPTER)
     sft_model.base_model.set_adapter([SFT_ADAPTER, PPO_ADAPTER], inference_mode=True)
-    return keep_4bit_unpacked(sft_model)
+    return sft_model
 
 
 def save_trained(model: Any, folder: Path) -> None:
@@ -391,8 +392,8 @@ def load_sft_model(
     if sft_adapter is None:
         return model
     if getattr(model, "is_loaded_in_4bit", False):
-        sft = PeftModel.from_pretrained(model, str(sft_adapter), adapter_name=SFT_ADAPTER)
-        return freeze(keep_4bit_unpacked(sft))
+        # the adapter wraps the base's 4-bit layers, already kept unpacked by `_load_weights`
+        return freeze(PeftModel.from_pretrained(model, str(sft_adapter), adapter_name=SFT_ADAPTER))
     return PeftModel.from_pretrained(model, str(sft_adapter)).merge_and_unload()
 
 
