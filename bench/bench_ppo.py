@@ -8,7 +8,10 @@ Configurations, each in its own process (so peak RSS is its own):
 - `local-55m+separate-critic`: the same with `ppo.value_model: separate` (a second backbone
   with its own LoRA, initialised from the policy);
 - `local-55m+rloo`: the same critic-free (`ppo.advantage_estimator: rloo`, 4 completions per
-  prompt): no value model at all. Its peak RSS against the two above is the critic's memory.
+  prompt): no value model at all. Its peak RSS against the two above is the critic's memory;
+- `smollm2-135m`: a real instruct model, recipes/smollm2-135m.yaml's PPO settings as shipped
+  (SmolLM2-135M-Instruct with LoRA r 16, 16 answers of at most 48 tokens, 2 epochs of
+  mini-batches of 4), scored by the tiny run's reward model; no SFT (an instruct model).
 
 Times are medians over iterations 2..N (iteration 1 includes warm-up). `outside_share` is the
 share of the iteration spent outside generation, reward scoring, the log-prob/value/reference
@@ -62,19 +65,20 @@ def build_large(folder: Path) -> Path:
     return folder
 
 
-def tiny_recipe_data(work: Path, run_name: str, iterations: int) -> dict:
-    """recipes/tiny.yaml as a dict with absolute data paths, runs under `work`, no checkpoints
-    or console blocks during the measured iterations."""
+def tiny_recipe_data(work: Path, run_name: str, iterations: int, recipe: str = "tiny.yaml") -> dict:
+    """recipes/tiny.yaml (or another shipped recipe on the tiny data) as a dict with absolute
+    data paths, runs under `work`, no checkpoints or console blocks during the measured
+    iterations."""
     import yaml
 
-    data = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
+    data = yaml.safe_load((ROOT / "recipes" / recipe).read_text())
     for key in ("sft", "preferences", "prompts"):
         data["data"][key]["path"] = str(
             ROOT / "data" / "tiny" / Path(data["data"][key]["path"]).name
         )
     data["audit"]["prompts_file"] = str(ROOT / "data" / "tiny" / "audit_prompts.txt")
     data["run"].update(name=run_name, output_dir=str(work / "runs"))
-    data["ppo"].update(iterations=iterations, save_freq=10_000, log_every=10_000)
+    data["ppo"].update(iterations=iterations, save_freq=10_000, log_every=10_000, eval_every=None)
     return data
 
 
@@ -87,13 +91,15 @@ VARIANTS = {
 def recipe_for(name: str, work: Path, iterations: int) -> Path:
     import yaml
 
-    data = tiny_recipe_data(work, "bench-tiny", iterations)
+    real = name == "smollm2-135m"
+    data = tiny_recipe_data(work, "bench-tiny", iterations, f"{name}.yaml" if real else "tiny.yaml")
     base, _, variant = name.partition("+")
     if variant:
         data["ppo"].update(VARIANTS[variant])
     if base != "tiny":
         data["run"]["name"] = f"bench-{name.replace('+', '-')}"
-        data["model"]["name_or_path"] = str(build_large(work / name.replace("+", "-")))
+        if not real:
+            data["model"]["name_or_path"] = str(build_large(work / name.replace("+", "-")))
         data["sft"]["enabled"] = False
         data["reward"] = {
             **data["reward"],
@@ -170,10 +176,21 @@ def one(name: str, work: Path, iterations: int) -> dict:
     }
 
 
+CONFIGS = ("tiny", "local-55m", "local-55m+separate-critic", "local-55m+rloo", "smollm2-135m")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "bench" / "ppo.json"))
     parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(CONFIGS),
+        choices=CONFIGS,
+        help="configurations to run (tiny first: the others use its reward model); the "
+        "results of the others already in --out are kept",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -183,7 +200,7 @@ def main() -> None:
     os.environ.setdefault("RLHF_CLI_CACHE", str(ROOT / ".cache" / "rlhf-cli"))
     results = []
     with tempfile.TemporaryDirectory(prefix="rlhf-bench-") as work:
-        for name in ("tiny", "local-55m", "local-55m+separate-critic", "local-55m+rloo"):
+        for name in args.configs:
             out = subprocess.run(
                 [
                     sys.executable,
@@ -214,6 +231,8 @@ def main() -> None:
     }
     out = Path(args.out)
     earlier = json.loads(out.read_text()) if out.is_file() else {}  # bench_memory's key stays
+    kept = [r for r in earlier.get("results", []) if r["config"] not in args.configs]
+    report["results"] = sorted(kept + results, key=lambda r: CONFIGS.index(r["config"]))
     out.write_text(json.dumps({**earlier, **report}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
