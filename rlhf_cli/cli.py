@@ -470,17 +470,35 @@ def status(
             table.add_row(name, ", ".join(row["completed"]) or "—", row["next"] or "—")
         out.print(table)
         return
-    table = Table("stage", "status", "finished", "key numbers", title=f"run '{result['run']}'")
+    table = Table(
+        "stage", "status", "finished", "peak memory / plan", "key numbers",
+        title=f"run '{result['run']}'",
+    )  # fmt: skip
     for row in result["stages"]:
         shown = row["status"] + (f" (pid {row['pid']})" if "pid" in row else "")
         if "last_attempt" in row:
             shown += f"; last attempt {row['last_attempt']}"
         if "from_run" in row:
             shown += f" (run {row['from_run']}'s)"
-        numbers = metrics_line(row.get("metrics", {}))
-        table.add_row(row["stage"], shown, row.get("finished_at") or "", numbers)
+        metrics = row.get("metrics", {})
+        numbers = metrics_line(metrics, lambda key: not key.startswith(MEMORY_KEYS))
+        memory = _memory_cell(metrics)
+        table.add_row(row["stage"], shown, row.get("finished_at") or "", memory, numbers)
     out.print(table)
     out.print(f"next: {result['next']}" if result["next"] else "next: nothing to run now")
+
+
+MEMORY_KEYS = ("peak_memory", "planned_peak")
+
+
+def _memory_cell(metrics: dict[str, Any]) -> str:
+    """`measured / planned` in GiB (the measurement's kind: CUDA-allocated or the CPU's RSS)."""
+    measured, planned = metrics.get("peak_memory_bytes"), metrics.get("planned_peak_bytes")
+    if measured is None:
+        return ""
+    kind = " RSS" if metrics.get("peak_memory_kind") == "cpu_rss" else ""
+    plan = fmt_gib(planned) if planned is not None else "—"
+    return f"{fmt_gib(measured)}{kind} / {plan}"
 
 
 @app.command(cls=_Command)

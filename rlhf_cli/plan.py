@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlhf_cli.errors import ModelLoadError, RlhfError
+from rlhf_cli.ppo.estimators import estimator
 from rlhf_cli.recipe import LoraSection, ModelSection, Recipe, parse_recipe
 
 GIB = 1024**3
@@ -354,7 +355,7 @@ def plan_ppo(
     prompt, response = ppo_lengths(recipe)
     rows = math.ceil(cfg.batch_size / target.processes)
     seq, mb = prompt + response, min(cfg.mini_batch_size, rows)
-    critic = cfg.advantage_estimator == "gae"
+    critic = estimator(cfg.advantage_estimator).needs_critic
     separate = critic and cfg.value_model == "separate"
     weights = weight_parts(policy, model, target, trains=True)
     trained = trainable_params(policy, model) + (policy.hidden + 1 if critic else 0)
@@ -662,3 +663,23 @@ def _best_per_field(fitting: list[Suggestion]) -> list[Suggestion]:
 def with_sets(recipe: Recipe, sets: list[str]) -> Recipe:
     """`recipe` with `--set` arguments applied, validated as `rlhf plan --set` would."""
     return parse_recipe(recipe.to_yaml(), "<plan>", None, sets) if sets else recipe
+
+
+def planned_stage_peak(recipe: Recipe, stage: str | None) -> int | None:
+    """The plan's peak for `stage` (a `recipe_stages` name) on the device the stage runs on,
+    for its manifest; None for a stage the plan does not count or a config it cannot read."""
+    import os
+
+    import torch
+
+    if stage is None:
+        return None
+    cuda = recipe.run.device != "cpu" and torch.cuda.is_available()
+    bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+    target = Target(cuda=cuda, bf16=bf16, processes=int(os.environ.get("WORLD_SIZE", "1")))
+    try:
+        configs = read_configs(recipe)
+    except RlhfError:
+        return None
+    plans = plan_recipe(recipe, configs, target).stages
+    return plans[stage].peak_bytes if stage in plans else None
