@@ -28,13 +28,15 @@ def generation_config(
     """A complete `GenerationConfig` from the recipe. Sampling itself (temperature, top-k,
     top-p) is left neutral here and done by `sampling_warpers`, so the processors that run are
     exactly the ones `response_logprobs` reproduces. `greedy`: argmax decoding even when the
-    recipe samples (the draw is then made by `SeededGumbel`)."""
+    recipe samples (the draw is then made by `SeededGumbel`). Top-k is 0 (off) when sampling,
+    unset otherwise (transformers warns about a sampling flag set for argmax decoding)."""
+    sample = gen.do_sample and not greedy
     return GenerationConfig(
         max_new_tokens=gen.max_new_tokens,
-        do_sample=gen.do_sample and not greedy,
+        do_sample=sample,
         num_beams=1,
         temperature=1.0,
-        top_k=0,
+        top_k=0 if sample else None,
         top_p=1.0,
         typical_p=1.0,
         repetition_penalty=1.0,

@@ -262,3 +262,14 @@ def test_seeded_rows_sample_alike_in_any_batch(tiny_lm, sampler_gap):
     other = generator.generate([q[0]] * 4, gen, seeds=[1, 2, 3, 4])
     assert len({tuple(tokens(other, r)) for r in range(4)}) > 1  # seeds do change the draw
     assert sampler_gap(model, together, gen) < 1e-4
+
+
+@pytest.mark.parametrize("seeds", [None, [5, 6]])
+def test_generate_raises_no_generation_flag_warning(tiny_lm, caplog, seeds):
+    """Seeded rows decode by argmax over Gumbel-perturbed scores: a top-k flag set for that
+    greedy call made transformers print 'generation flags are not valid' on every batch."""
+    tokenizer, model = tiny_lm
+    q = tokenize_prompts(tokenizer, ["hello there", "hi"], chat=True, max_tokens=64)
+    with caplog.at_level("WARNING"):
+        generator_for(model, tokenizer).generate(q, GenerationSection(max_new_tokens=4), seeds)
+    assert not [r for r in caplog.records if "generation flags" in r.getMessage()]
