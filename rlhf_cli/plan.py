@@ -11,12 +11,16 @@ architecture transformers knows. Memory is counted the way the stages hold it (d
 - what trains in fp32 (LoRA + value head, or every weight), its fp32 gradients and AdamW's two
   fp32 moments;
 - activations kept for the backward pass per token and layer, `8h + 4kv + 4I` elements
-  (norm inputs and outputs, q/k/v, attention output, the SwiGLU MLP's four intermediates;
-  SDPA keeps no score matrix), or only each layer's input plus one recomputed layer with
-  gradient checkpointing;
+  (norm inputs and outputs, q/k/v, attention output, a gated MLP's four intermediates, two
+  for a plain MLP; SDPA keeps no score matrix), or only each layer's input plus one
+  recomputed layer with gradient checkpointing;
+- a training step peaks either in its forward/backward pass (activations, logits, AdamW's
+  moments; gradients only when they accumulate over micro-batches: they are freed after each
+  optimizer step) or in the optimizer step (gradients and moments, the activations freed);
 - full-vocabulary logits: PPO's update keeps them in the compute dtype and its entropy makes
   three fp32 copies at once (`ppo/loop.py`); the rollout's old and reference passes hold two
-  in the compute dtype; SFT's loss upcasts them to fp32 and keeps the log-softmax;
+  in the compute dtype; SFT never builds them: TRL's fused LM head projects tiles into one
+  buffer (`fused_head_parts`);
 - the generation KV cache (`2 · layers · kv` elements per token), or vLLM's fixed share;
 - the reward model in `reward.dtype`; the reference is the policy with its adapter disabled
   (nothing extra) or, without LoRA, a frozen copy;
@@ -26,6 +30,7 @@ architecture transformers knows. Memory is counted the way the stages hold it (d
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -33,7 +38,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlhf_cli.errors import ModelLoadError, RlhfError
-from rlhf_cli.ppo.estimators import estimator
 from rlhf_cli.recipe import LoraSection, ModelSection, Recipe, parse_recipe
 
 GIB = 1024**3
@@ -44,6 +48,14 @@ CUDA_CONTEXT_BYTES = 512 * MIB  # CUDA context + cuBLAS workspace, outside torch
 NF4_BLOCK = 64  # weights per absmax block (bitsandbytes' 4-bit default)
 DOUBLE_QUANT_BLOCK = 256  # absmax values per second-level fp32 constant
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# TRL's fused LM head (SFTTrainer): tiles of at most TRL_TOKEN_TILE positions x TRL_VOCAB_TILE
+# vocabulary columns (trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE, trl/trainer/utils.py
+# _CHUNKED_LOGPROB_CHUNK_SIZE; tests/unit/test_plan.py checks them against the installed TRL)
+TRL_TOKEN_TILE = 4096
+TRL_VOCAB_TILE = 32768
+# fp32 copies of a tile its torch fallback (no Triton: the CPU) holds at once in the backward,
+# `_backward_tile`: scaled logits (2), log p, p, the gradient, the one-hot and target - p
+CPU_TILE_FP32_COPIES = 7
 
 
 @dataclass(frozen=True)
@@ -117,6 +129,8 @@ class ModelShape:
     intermediate: int
     kv_dim: int  # key (or value) width of one token in one layer
     vocab: int
+    gated: bool = True  # a gated MLP (SwiGLU: gate and up projections) or a plain one (GELU)
+    stored_bytes: int = 4  # bytes of a weight in its checkpoint (the config's dtype)
 
 
 def load_config(source: str, trust_remote_code: bool = False) -> Any:
@@ -162,18 +176,24 @@ def model_shape(config: Any, causal: bool, lora: LoraSection | None) -> ModelSha
         if lora is not None and lora.enabled and _targeted(name, lora):
             lora_params += lora.r * (module.in_features + module.out_features)
     hidden = config.hidden_size
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    widening = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    widening = [m for m in widening if m.out_features == intermediate and m.in_features == hidden]
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return ModelShape(
         params=sum(p.numel() for p in model.parameters()),
         linear_params=linear,
         lora_params=lora_params,
         hidden=hidden,
         layers=config.num_hidden_layers,
-        intermediate=getattr(config, "intermediate_size", None) or 4 * hidden,
+        intermediate=intermediate,
         kv_dim=kv_heads * head_dim,
         vocab=config.vocab_size,
+        gated=len(widening) >= 2 * config.num_hidden_layers,
+        stored_bytes=ELEMENT_BYTES.get(str(stored).removeprefix("torch."), 4),
     )
 
 
@@ -227,6 +247,12 @@ def trainable_params(shape: ModelShape, model: ModelSection) -> int:
     return shape.lora_params if model.lora.enabled else shape.params
 
 
+def mlp_intermediates(shape: ModelShape) -> int:
+    """Intermediate-width tensors a training MLP keeps: gate, up, act(gate), their product; or
+    the input projection's output and its activation."""
+    return 4 if shape.gated else 2
+
+
 def optimizer_parts(trained: int, target: Target) -> dict[str, int]:
     """fp32 gradients and AdamW's two fp32 moments of `trained` parameters, divided by the
     processes under ZeRO and FSDP."""
@@ -236,20 +262,51 @@ def optimizer_parts(trained: int, target: Target) -> dict[str, int]:
 
 def activation_bytes(shape: ModelShape, tokens: int, e: int, checkpointing: bool) -> int:
     """Activations kept for the backward pass of `tokens` tokens: `8h + 4kv + 4I` elements per
-    token and layer; with checkpointing only each layer's input plus one layer recomputed."""
-    per_layer = 8 * shape.hidden + 4 * shape.kv_dim + 4 * shape.intermediate
+    token and layer (`2I` for a plain MLP); with checkpointing only each layer's input plus one
+    layer recomputed."""
+    per_layer = 8 * shape.hidden + 4 * shape.kv_dim + mlp_intermediates(shape) * shape.intermediate
     if checkpointing:
         return tokens * e * (shape.layers * shape.hidden + per_layer)
     return tokens * e * shape.layers * per_layer
 
 
 def forward_bytes(shape: ModelShape, tokens: int, e: int) -> int:
-    """A forward pass without gradients: one layer's working set at a time."""
-    return tokens * e * (2 * shape.hidden + 2 * shape.intermediate)
+    """A forward pass without gradients: one layer's working set at a time (the residual and
+    the norm's output; act(gate), up and their product, or the two of a plain MLP)."""
+    return tokens * e * (2 * shape.hidden + (3 if shape.gated else 2) * shape.intermediate)
 
 
 def kv_cache_bytes(shape: ModelShape, tokens: int, e: int) -> int:
     return tokens * e * 2 * shape.layers * shape.kv_dim
+
+
+def fused_head_parts(shape: ModelShape, tokens: int, e: int, target: Target) -> dict[str, int]:
+    """TRL's fused LM head (SFTTrainer) scores `tokens` positions without the whole logits:
+    one buffer of (min(tokens, 4096), 32768) in the compute dtype, whatever the vocabulary's
+    width; on the CPU (no Triton) its torch fallback also holds CPU_TILE_FP32_COPIES fp32
+    copies and a bool mask of the (positions, min(vocab, 32768)) tile in the backward."""
+    rows = min(tokens, TRL_TOKEN_TILE)
+    parts = {"LM head tile buffer (TRL)": rows * TRL_VOCAB_TILE * e}
+    if not target.cuda:
+        tile = rows * min(shape.vocab, TRL_VOCAB_TILE)
+        parts["LM head tile, CPU fallback"] = tile * (4 * CPU_TILE_FP32_COPIES + 1)
+    return parts
+
+
+def training_phases(
+    held: dict[str, int], trained: int, target: Target, working: dict[str, int], accumulates: bool
+) -> dict[str, dict[str, int]]:
+    """A training step's two candidate peaks: the forward/backward pass (what is held, AdamW's
+    moments, the micro-batch's `working` set; the gradients too when they accumulate over
+    micro-batches) and the optimizer step (gradients and moments; the activations are freed).
+    Gradients are set to None after each step, so the first micro-batch's pass has none."""
+    optimizer = optimizer_parts(trained, target)
+    gradients = {"gradients fp32": optimizer.pop("gradients fp32")}
+    during_pass = gradients if accumulates else {}
+    return {
+        "forward + backward": {**held, **optimizer, **during_pass, **working},
+        "optimizer step": {**held, **gradients, **optimizer},
+    }
 
 
 def _sharded(parts: dict[str, int], target: Target) -> dict[str, int]:
@@ -292,22 +349,32 @@ def _peak(stage: str, phases: dict[str, dict[str, int]], target: Target) -> Stag
     return StagePlan(stage, phase, parts)
 
 
+def _compute_bytes(model: ModelSection, target: Target) -> int:
+    """Bytes of an activation: the 4-bit compute dtype, else the weights' dtype."""
+    q = model.quantization
+    return element_bytes(q.compute_dtype if q.load_in_4bit else model.dtype, target)
+
+
 def plan_sft(recipe: Recipe, policy: ModelShape, target: Target) -> StagePlan:
-    """TRL's SFTTrainer: one micro-batch of `sft.batch_size` rows of `sft.max_length`."""
-    model = recipe.model.variant(lora=False) if recipe.sft.full_finetune else recipe.model
-    e = element_bytes(model.quantization.compute_dtype if model.quantization.load_in_4bit
-                      else model.dtype, target)  # fmt: skip
-    tokens = recipe.sft.batch_size * recipe.sft.max_length
+    """TRL's SFTTrainer: one micro-batch of `sft.batch_size` rows of `sft.max_length`, its loss
+    through TRL's fused LM head (the labels shifted: one position fewer a row)."""
+    cfg = recipe.sft
+    model = recipe.model.variant(lora=False) if cfg.full_finetune else recipe.model
+    e = _compute_bytes(model, target)
     weights = weight_parts(policy, model, target, trains=True)
     if model.lora.enabled:
         weights["LoRA fp32"] = 4 * policy.lora_params
-    train = {
-        **_sharded(weights, target),
-        **optimizer_parts(trainable_params(policy, model), target),
-        "activations": activation_bytes(policy, tokens, e, model.gradient_checkpointing),
-        "logits + fp32 loss": tokens * policy.vocab * (e + 8),
+    working = {
+        "activations": activation_bytes(
+            policy, cfg.batch_size * cfg.max_length, e, model.gradient_checkpointing
+        ),
+        **fused_head_parts(policy, cfg.batch_size * (cfg.max_length - 1), e, target),
     }
-    return _peak("sft", {"train": train}, target)
+    trained = trainable_params(policy, model)
+    phases = training_phases(
+        _sharded(weights, target), trained, target, working, cfg.gradient_accumulation_steps > 1
+    )
+    return _peak("sft", phases, target)
 
 
 def plan_train_rm(recipe: Recipe, reward: ModelShape, target: Target) -> StagePlan:
@@ -320,12 +387,13 @@ def plan_train_rm(recipe: Recipe, reward: ModelShape, target: Target) -> StagePl
     if not full:
         weights["LoRA fp32"] = 4 * reward.lora_params
     tokens = 2 * cfg.batch_size * cfg.max_length
-    train = {
-        **_sharded(weights, target),
-        **optimizer_parts(trained, target),
-        "activations": activation_bytes(reward, tokens, e, recipe.model.gradient_checkpointing),
+    working = {
+        "activations": activation_bytes(reward, tokens, e, recipe.model.gradient_checkpointing)
     }
-    return _peak("train-rm", {"train": train}, target)
+    phases = training_phases(
+        _sharded(weights, target), trained, target, working, cfg.gradient_accumulation_steps > 1
+    )
+    return _peak("train-rm", phases, target)
 
 
 def ppo_lengths(recipe: Recipe) -> tuple[int, int]:
@@ -340,23 +408,21 @@ def _reward_weights(recipe: Recipe, reward: ModelShape | None, target: Target) -
     return reward.params * element_bytes(recipe.reward.dtype, target)
 
 
-def plan_ppo(
-    recipe: Recipe, policy: ModelShape, reward: ModelShape | None, target: Target
-) -> StagePlan:
-    """PPO per process: the models (policy, trained weights and AdamW, critic, reference,
-    reward model, vLLM's share) held throughout, plus the largest of its phases: generation
-    (KV cache), the old / reference log-prob pass (two logits tensors) and the update
-    (gradients, activations, logits with the entropy's fp32 copies)."""
-    cfg, model = recipe.ppo, recipe.model
-    e = element_bytes(
-        model.quantization.compute_dtype if model.quantization.load_in_4bit else model.dtype,
-        target,
-    )
-    prompt, response = ppo_lengths(recipe)
-    rows = math.ceil(cfg.batch_size / target.processes)
-    seq, mb = prompt + response, min(cfg.mini_batch_size, rows)
-    critic = estimator(cfg.advantage_estimator).needs_critic
-    separate = critic and cfg.value_model == "separate"
+def scoring_bytes(recipe: Recipe, reward: ModelShape | None, target: Target, rows: int) -> int:
+    """The reward model's forward on `rows` texts (at most `score_batch_size` at once) of
+    `reward.max_length` tokens."""
+    if reward is None:
+        return 0
+    tokens = min(rows, recipe.reward.score_batch_size) * recipe.reward.max_length
+    return forward_bytes(reward, tokens, element_bytes(recipe.reward.dtype, target))
+
+
+def _policy_weights(
+    policy: ModelShape, model: ModelSection, target: Target, separate: bool, critic: bool
+) -> tuple[dict[str, int], int]:
+    """The policy's (and a separate critic's) weights as PPO holds them, and how many
+    parameters train (LoRA or every weight, and the value head)."""
+    e = element_bytes(model.dtype, target)
     weights = weight_parts(policy, model, target, trains=True)
     trained = trainable_params(policy, model) + (policy.hidden + 1 if critic else 0)
     if separate:  # its own backbone, loaded and trained as the policy is
@@ -367,12 +433,29 @@ def plan_ppo(
     elif critic:
         weights["value head fp32"] = 4 * (policy.hidden + 1)
     if not model.lora.enabled:  # the reference is a frozen copy
-        weights[f"reference {_dtype_name(e)}"] = policy.params * element_bytes(model.dtype, target)
+        weights[f"reference {_dtype_name(e)}"] = policy.params * e
+    return weights, trained
+
+
+def plan_ppo(
+    recipe: Recipe, policy: ModelShape, reward: ModelShape | None, target: Target
+) -> StagePlan:
+    """PPO per process: the models (policy, trained weights and AdamW, critic, reference,
+    reward model, vLLM's share) held throughout, plus the largest of its phases: generation
+    (KV cache), scoring (the reward model's forward), the old / reference log-prob pass (two
+    logits tensors) and the update's forward/backward (activations, logits with the entropy's
+    fp32 copies) or optimizer step (gradients)."""
+    cfg, model = recipe.ppo, recipe.model
+    e = _compute_bytes(model, target)
+    prompt, response = ppo_lengths(recipe)
+    rows = math.ceil(cfg.batch_size / target.processes)
+    seq, mb = prompt + response, min(cfg.mini_batch_size, rows)
+    separate = cfg.needs_critic and cfg.value_model == "separate"
+    weights, trained = _policy_weights(policy, model, target, separate, cfg.needs_critic)
     gen = cfg.generation
     vllm = gen.backend == "vllm" and target.cuda and target.memory_bytes is not None
     vllm_share = int(gen.vllm.gpu_memory_utilization * target.memory_bytes) if vllm else 0
     held = {"reward model": _reward_weights(recipe, reward, target)}
-    passes = 2 if separate else 1
     rollout = {
         **weights,
         **held,
@@ -384,49 +467,71 @@ def plan_ppo(
         "KV cache": 0 if vllm else kv_cache_bytes(policy, rows * seq, e),
         "sampling logits fp32": 0 if vllm else 3 * rows * policy.vocab * 4,
     }
+    scoring = {**rollout, "reward forward": scoring_bytes(recipe, reward, target, rows)}
     logprobs = {**rollout, "old + reference logits": 2 * mb * (response + 1) * policy.vocab * e}
-    update = {
+    update_held = {
         **_sharded(weights, target),
         **held,
-        **optimizer_parts(trained, target),
         "vLLM share": 0 if gen.vllm.sleep else vllm_share,
+    }
+    passes = 2 if separate else 1
+    working = {
         "activations": passes * activation_bytes(policy, mb * seq, e, model.gradient_checkpointing),
         "logits + entropy fp32": mb * (response + 1) * policy.vocab * (e + 12),
     }
-    phases = {"generation": generation, "old log-probs": logprobs, "update": update}
+    update = training_phases(
+        update_held, trained, target, working, cfg.gradient_accumulation_steps > 1
+    )
+    phases = {"generation": generation, "scoring": scoring, "old log-probs": logprobs, **update}
     plan = _peak("ppo", phases, target)
     plan.iteration_s, plan.detail["time_s"] = ppo_iteration_seconds(recipe, policy, reward, target)
     return plan
 
 
+AUDIT_BATCH = 16  # rows the audit generates at once (audit/measure.py)
+
+
 def plan_audit(
     recipe: Recipe, policy: ModelShape, reward: ModelShape | None, target: Target
 ) -> StagePlan:
-    """The audited policy (adapter on its frozen base) generating batches of 16 audit rows,
-    and the reward model."""
+    """The audited policy (adapter on its frozen base) generating batches of AUDIT_BATCH rows,
+    then the reward model scoring them."""
     model = recipe.model
     e = element_bytes(model.dtype, target)
     prompt = ppo_lengths(recipe)[0] + recipe.audit.generation.max_new_tokens
-    rows = min(16, len(recipe.audit.prompts) * recipe.audit.samples)
-    parts = {
+    rows = min(AUDIT_BATCH, len(recipe.audit.prompts) * recipe.audit.samples)
+    held = {
         **weight_parts(policy, model, target, trains=False),
         "LoRA fp32": 4 * policy.lora_params,
         "reward model": _reward_weights(recipe, reward, target),
+    }
+    generation = {
+        **held,
         "KV cache": kv_cache_bytes(policy, rows * prompt, e),
         "sampling logits fp32": 3 * rows * policy.vocab * 4,
     }
-    return _peak("audit", {"generation": parts}, target)
+    scoring = {**held, "reward forward": scoring_bytes(recipe, reward, target, rows)}
+    return _peak("audit", {"generation": generation, "scoring": scoring}, target)
+
+
+MERGE_CHECK_PROMPTS, MERGE_CHECK_TOKENS = 4, 64  # the logit check's prompts (stages/merge.py)
 
 
 def plan_merge(recipe: Recipe, policy: ModelShape, target: Target) -> StagePlan:
-    """The base in fp32 with the adapter, merged in place, its logits checked on the audit
-    prompts (fp32, before and after)."""
-    tokens = min(16, len(recipe.audit.prompts)) * ppo_lengths(recipe)[0]
+    """The base in `merge.dtype` (fp32 when its checkpoint is wider) with the adapter in fp32,
+    merged one layer at a time (the layer in fp32 and its fp32 delta), and the logit checks on
+    a few prompts: the model's full logits, the adapter model's and the merged model's kept
+    rows, their difference and its absolute value."""
+    e = element_bytes(recipe.merge.dtype, target)
+    e = 4 if policy.stored_bytes > e else e
+    tokens = min(MERGE_CHECK_PROMPTS, len(recipe.audit.prompts)) * MERGE_CHECK_TOKENS
+    layer = policy.hidden * policy.intermediate  # the largest layer an adapter targets
     parts = {
-        "weights fp32": policy.params * 4,
+        f"weights {_dtype_name(e)}": policy.params * e,
         "LoRA fp32": 4 * policy.lora_params,
-        "logits fp32 (check)": 3 * tokens * policy.vocab * 4,
-        "forward": forward_bytes(policy, tokens, 4),
+        "one layer merged in fp32": layer * (4 if e == 4 else 8),
+        "logits fp32 (check)": 4 * tokens * policy.vocab * 4,
+        "forward": forward_bytes(policy, tokens, e),
     }
     return _peak("merge", {"merge": parts}, target)
 
@@ -517,22 +622,30 @@ def read_configs(
     return Configs(policy, reward)
 
 
-def plan_recipe(recipe: Recipe, configs: Configs, target: Target) -> Plan:
-    """Every stage of `recipe` planned on `target` (the CPU's memory with `run.device: cpu`)."""
+def plan_recipe(
+    recipe: Recipe, configs: Configs, target: Target, stages: list[str] | None = None
+) -> Plan:
+    """The `stages` of `recipe` (default: every stage it runs) planned on `target` (the CPU's
+    memory with `run.device: cpu`); each model's shape is read only when a stage needs it."""
     if recipe.run.device == "cpu":
         target = replace(target, cuda=False)
-    policy = model_shape(configs.policy, True, recipe.model.lora)
-    reward = None
-    if configs.reward is not None:
-        reward = model_shape(configs.reward, False, recipe.reward.lora)
+    policy = functools.cache(lambda: model_shape(configs.policy, True, recipe.model.lora))
+
+    @functools.cache
+    def reward() -> ModelShape | None:
+        if configs.reward is None:
+            return None
+        return model_shape(configs.reward, False, recipe.reward.lora)
+
     build = {
-        "sft": lambda: plan_sft(recipe, policy, target),
-        "train-rm": lambda: plan_train_rm(recipe, reward, target),
-        "ppo": lambda: plan_ppo(recipe, policy, reward, target),
-        "audit": lambda: plan_audit(recipe, policy, reward, target),
-        "merge": lambda: plan_merge(recipe, policy, target),
+        "sft": lambda: plan_sft(recipe, policy(), target),
+        "train-rm": lambda: plan_train_rm(recipe, reward(), target),
+        "ppo": lambda: plan_ppo(recipe, policy(), reward(), target),
+        "audit": lambda: plan_audit(recipe, policy(), reward(), target),
+        "merge": lambda: plan_merge(recipe, policy(), target),
     }
-    return Plan({stage: build[stage]() for stage in recipe_stages(recipe)}, target)
+    wanted = recipe_stages(recipe) if stages is None else stages
+    return Plan({stage: build[stage]() for stage in wanted}, target)
 
 
 # ── what to change ──────────────────────────────────────────────────────────────────────────────
@@ -667,12 +780,14 @@ def with_sets(recipe: Recipe, sets: list[str]) -> Recipe:
 
 def planned_stage_peak(recipe: Recipe, stage: str | None) -> int | None:
     """The plan's peak for `stage` (a `recipe_stages` name) on the device the stage runs on,
-    for its manifest; None for a stage the plan does not count or a config it cannot read."""
+    for its manifest; None for a stage the plan does not count or a config it cannot read.
+    Only that stage is planned (a 7B config's meta-device build takes a fraction of a second
+    once transformers is imported, as it is by then in every stage)."""
     import os
 
     import torch
 
-    if stage is None:
+    if stage not in recipe_stages(recipe):
         return None
     cuda = recipe.run.device != "cpu" and torch.cuda.is_available()
     bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
@@ -681,5 +796,4 @@ def planned_stage_peak(recipe: Recipe, stage: str | None) -> int | None:
         configs = read_configs(recipe)
     except RlhfError:
         return None
-    plans = plan_recipe(recipe, configs, target).stages
-    return plans[stage].peak_bytes if stage in plans else None
+    return plan_recipe(recipe, configs, target, [stage]).stages[stage].peak_bytes

@@ -244,13 +244,18 @@ class StageRecord:
 
     def _memory(self) -> dict[str, Any]:
         """This process's measured peak beside the plan's estimate for the stage (None when
-        the plan cannot read a model's config offline)."""
+        the plan cannot read a model's config offline, or fails). The estimate only annotates
+        the stage's result: whatever goes wrong in it (an architecture the meta device cannot
+        build, a config without a field the plan reads) becomes a manifest warning, and never
+        fails the stage, masks its own error or leaves its lock behind."""
         from rlhf_cli.plan import planned_stage_peak
 
-        return {
-            **measured_peak(),
-            "planned_peak_bytes": planned_stage_peak(self.recipe, PLANNED.get(self.stage)),
-        }
+        try:
+            planned = planned_stage_peak(self.recipe, PLANNED.get(self.stage))
+        except Exception as error:  # noqa: BLE001 - any failure of an estimate, as above
+            self.warn(f"no planned peak memory: {type(error).__name__}: {error}")
+            planned = None
+        return {**measured_peak(), "planned_peak_bytes": planned}
 
     def __exit__(
         self,

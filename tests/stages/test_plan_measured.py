@@ -68,24 +68,34 @@ def test_live_tensor_bytes_counts_a_training_step():
     assert 32e6 <= tracker.peak <= 32e6 + 4 * 2.05e6
 
 
+# A prompt longer than the merge's 64-token check and the PPO / audit cut (16): every stage
+# reads the longest rows the recipe allows.
+LONG_PROMPT = (
+    "Please explain in careful detail, step by step, how a small town library could organise a "
+    "week of free reading workshops for children, parents and older neighbours, with a budget, "
+    "volunteers, rooms, timetables and a way to ask everyone afterwards what worked well and "
+    "what should change next year, keeping it kind and practical"
+)
+
+
 def _recipe(make_recipe: Any) -> Path:
+    """Two optimizer steps of SFT and of reward training (the second step's pass is the one
+    that holds AdamW's moments: the steady state the plan counts), one PPO iteration without
+    the held-out evaluation, one audit sample of four long prompts."""
     return make_recipe(
         {
-            "data": {"prompts": {"max_tokens": 16}},
-            "sft": {"epochs": 1, "max_length": 32},
-            "reward": {"max_length": 32},
-            "ppo": {"iterations": 1, "batch_size": 16, "save_freq": 1,
+            "data": {"sft": {"max_samples": 40}, "preferences": {"max_samples": 40},
+                     "prompts": {"max_tokens": 16, "eval_fraction": 0}},
+            "sft": {"epochs": 0.6, "max_length": 32},
+            "reward": {"epochs": 0.6, "max_length": 32},
+            "ppo": {"iterations": 1, "batch_size": 16, "save_freq": 1, "eval_every": None,
                     "generation": {"max_new_tokens": 16}},
-            "audit": {"samples": 1, "generation": {"max_new_tokens": 16}},
+            "audit": {"samples": 1, "generation": {"max_new_tokens": 16}, "prompts_file": None,
+                      "prompts": [f"{LONG_PROMPT}{end}" for end in ".?!;"]},
         }
     )  # fmt: skip
 
 
-@pytest.mark.xfail(
-    reason="not yet calibrated: sft 115 MB vs plan 32 MB (TRL's SFT loss "
-    "holds a (tokens, 32768) fp32 buffer the plan does not count), train-rm 436 MB vs 628 MB",
-    strict=False,
-)
 def test_plan_is_within_25_percent_of_what_torch_allocates(make_recipe, quiet_console):
     from rlhf_cli.stages.audit import run_audit
     from rlhf_cli.stages.merge import run_merge
@@ -105,13 +115,12 @@ def test_plan_is_within_25_percent_of_what_torch_allocates(make_recipe, quiet_co
     for stage, run in runs.items():
         with LiveTensorBytes() as tracker:
             manifest = run()
-        print(stage, tracker.peak, planned_stage_peak(recipe, stage), flush=True)
         planned = planned_stage_peak(recipe, stage)
         seen[stage] = (tracker.peak, planned)
         if manifest is not None and "metrics" in manifest:
             assert manifest["metrics"]["planned_peak_bytes"] == planned
             assert manifest["metrics"]["peak_memory_kind"] == "cpu_rss"
             assert manifest["metrics"]["peak_memory_bytes"] > tracker.peak
-    print({k: (round(m / 2**20, 2), round(p / 2**20, 2)) for k, (m, p) in seen.items()})
-    for stage, (measured, planned) in seen.items():
-        assert abs(planned - measured) <= TOLERANCE * measured, (stage, measured, planned)
+    gaps = {stage: (planned - measured) / measured for stage, (measured, planned) in seen.items()}
+    print({k: (round(m / 2**20, 2), round(p / 2**20, 2)) for k, (m, p) in seen.items()}, gaps)
+    assert all(abs(gap) <= TOLERANCE for gap in gaps.values()), gaps

@@ -177,3 +177,26 @@ def test_ppo_warns_before_loading_when_the_plan_is_over_free_memory(monkeypatch,
     assert "the plan estimates" in console.export_text()
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2**40, 2**40))
     ppo.warn_over_plan(recipe, Console(record=True))  # plenty free: silent
+
+
+def test_trl_fused_head_tiles_are_the_installed_trls():
+    """SFT's logits buffer is sized by TRL's tile constants: a TRL that changes them changes
+    the plan."""
+    from trl.kernels import chunked_logprob
+    from trl.trainer import utils
+
+    from rlhf_cli.plan import TRL_TOKEN_TILE, TRL_VOCAB_TILE
+
+    assert TRL_TOKEN_TILE == chunked_logprob.TOKEN_CHUNK_SIZE
+    assert TRL_VOCAB_TILE == utils._CHUNKED_LOGPROB_CHUNK_SIZE
+
+
+def test_a_training_step_peaks_in_its_pass_or_in_its_optimizer_step():
+    from rlhf_cli.plan import training_phases
+
+    held, working = {"weights": 100}, {"activations": 50}
+    once = training_phases(held, 10, Target(), working, accumulates=False)
+    assert once["forward + backward"] == {"weights": 100, "AdamW m+v fp32": 80, "activations": 50}
+    assert once["optimizer step"] == {"weights": 100, "gradients fp32": 40, "AdamW m+v fp32": 80}
+    accumulated = training_phases(held, 10, Target(), working, accumulates=True)
+    assert accumulated["forward + backward"]["gradients fp32"] == 40
