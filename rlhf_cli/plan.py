@@ -7,7 +7,8 @@ architecture transformers knows. Memory is counted the way the stages hold it (d
 
 - weights in `model.dtype`; 4-bit NF4 linear layers at half a byte a weight plus their block
   scales (one absmax per 64 weights: fp32, or 8-bit with a second fp32 level per 256 blocks
-  under double quantisation); `prepare_model_for_kbit_training` upcasts the rest to fp32;
+  under double quantisation); the rest in `model.dtype` (`modeling.make_trainable` freezes a
+  4-bit base without peft's fp32 upcast);
 - what trains in fp32 (LoRA + value head, or every weight), its fp32 gradients and AdamW's two
   fp32 moments;
 - activations kept for the backward pass per token and layer, `8h + 4kv + 4I` elements
@@ -224,15 +225,15 @@ def nf4_bytes(weights: int, double_quant: bool) -> int:
 
 
 def weight_parts(shape: ModelShape, model: ModelSection, target: Target, trains: bool) -> dict:
-    """The base weights as loaded: 4-bit (the rest fp32 when prepared for training, else in
-    the dtype), fp32 when every weight trains, else in `model.dtype`."""
+    """The base weights as loaded: 4-bit (the rest in the dtype, trained or not: a 4-bit base
+    is frozen without an fp32 upcast), fp32 when every weight trains, else in `model.dtype`."""
     e = element_bytes(model.dtype, target)
     q = model.quantization
     if q.load_in_4bit:
         rest = shape.params - shape.linear_params
         return {
             "weights 4-bit + scales": nf4_bytes(shape.linear_params, q.double_quant),
-            "weights not quantised": rest * (4 if trains else e),
+            "weights not quantised": rest * e,
         }
     if trains and not model.lora.enabled:
         return {"weights fp32 (trained)": shape.params * 4}
@@ -519,7 +520,7 @@ MERGE_CHECK_PROMPTS, MERGE_CHECK_TOKENS = 4, 64  # the logit check's prompts (st
 
 def plan_merge(recipe: Recipe, policy: ModelShape, target: Target) -> StagePlan:
     """The base in `merge.dtype` (fp32 when its checkpoint is wider) with the adapter in fp32,
-    merged one layer at a time (the layer in fp32 and its fp32 delta), and the logit checks on
+    merged one layer at a time (its fp32 delta added in place), and the logit checks on
     a few prompts: the model's full logits, the adapter model's and the merged model's kept
     rows, their difference and its absolute value."""
     e = element_bytes(recipe.merge.dtype, target)
@@ -529,7 +530,7 @@ def plan_merge(recipe: Recipe, policy: ModelShape, target: Target) -> StagePlan:
     parts = {
         f"weights {_dtype_name(e)}": policy.params * e,
         "LoRA fp32": 4 * policy.lora_params,
-        "one layer merged in fp32": layer * (4 if e == 4 else 8),
+        "one layer's fp32 delta": 4 * layer,
         "logits fp32 (check)": 4 * tokens * policy.vocab * 4,
         "forward": forward_bytes(policy, tokens, e),
     }
