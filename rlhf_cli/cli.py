@@ -243,6 +243,13 @@ def plan(
     bandwidth: Annotated[
         float | None, typer.Option("--bandwidth", min=0.001, help="Memory bandwidth, GB/s.")
     ] = None,
+    stages: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--stage",
+            help="Plan only this stage (sft, train-rm, ppo, audit, merge); repeat for several.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:
@@ -253,7 +260,7 @@ def plan(
     result = plan_command(
         resolve_recipe(recipe, runs_dir, sets),
         gpu=gpu, memory=memory, processes=processes, sharding=sharding,
-        configs=(config, reward_config), peaks=(tflops, bandwidth),
+        configs=(config, reward_config), peaks=(tflops, bandwidth), stages=stages,
     )  # fmt: skip
     if as_json:
         typer.echo(json.dumps(result, indent=2))

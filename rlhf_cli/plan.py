@@ -708,13 +708,19 @@ def candidate_sets(recipe: Recipe) -> list[list[str]]:
 LAUNCH_CONFIG = {"zero3": "recipes/accelerate/deepspeed_zero3.yaml"}
 
 
-def suggest(recipe: Recipe, configs: Configs, target: Target, limit: int = 6) -> list[Suggestion]:
-    """For a plan over `target.memory_bytes`: the single changes that bring it under, else the
-    changes applied one after another until it fits, and ZeRO-3 over more processes; each with
-    the peak it gives. A merge over the memory is told to run on the CPU (its own command), and
-    the other stages are fitted without it."""
+def suggest(
+    recipe: Recipe,
+    configs: Configs,
+    target: Target,
+    limit: int = 6,
+    stages: list[str] | None = None,
+) -> list[Suggestion]:
+    """For a plan of `stages` (default: all) over `target.memory_bytes`: the single changes that
+    bring it under, else the changes applied one after another until it fits, and ZeRO-3 over
+    more processes; each with the peak it gives. A merge over the memory is told to run on the
+    CPU (its own command), and the other stages are fitted without it."""
     memory = target.memory_bytes
-    plan = plan_recipe(recipe, configs, target)
+    plan = plan_recipe(recipe, configs, target, stages)
     if memory is None or plan.fits:
         return []
     out = []
@@ -722,8 +728,8 @@ def suggest(recipe: Recipe, configs: Configs, target: Target, limit: int = 6) ->
         out.append(Suggestion(["run.device=cpu"], 0, True, stage="merge"))
 
     def tried(sets: list[str], on: Target = target) -> Suggestion:
-        stages = plan_recipe(with_sets(recipe, sets), configs, on).stages
-        peak = max(s.peak_bytes for name, s in stages.items() if name != "merge" or not out)
+        planned = plan_recipe(with_sets(recipe, sets), configs, on, stages).stages
+        peak = max(s.peak_bytes for name, s in planned.items() if name != "merge" or not out)
         return Suggestion(sets, peak, peak <= memory)
 
     if tried([]).fits:

@@ -16,6 +16,7 @@ from rlhf_cli.plan import (
     parse_bytes,
     plan_recipe,
     read_configs,
+    recipe_stages,
     suggest,
 )
 from rlhf_cli.recipe import Recipe
@@ -56,14 +57,21 @@ def plan_command(
     sharding: str = "none",
     configs: tuple[Path | None, Path | None] = (None, None),
     peaks: tuple[float | None, float | None] = (None, None),
+    stages: list[str] | None = None,
 ) -> dict[str, Any]:
     """`rlhf plan`'s result: `fits`, `memory_bytes`, `stages` (each `peak_bytes`, `parts`,
-    PPO's `iteration_s`), `suggestions`, and `verdict`, the one line it ends with."""
+    PPO's `iteration_s`), `suggestions`, and `verdict`, the one line it ends with. `stages`:
+    only these of the recipe's stages (the ones the user will run here)."""
     target = make_target(gpu, memory, processes, sharding, peaks)
+    runs = recipe_stages(recipe)
+    for stage in stages or []:
+        if stage not in runs:
+            raise RlhfError(f"--stage {stage}: this recipe runs {', '.join(runs)}")
+    wanted = [stage for stage in runs if stage in stages] if stages else None
     read = read_configs(recipe, *configs)
-    plan = plan_recipe(recipe, read, target)
+    plan = plan_recipe(recipe, read, target, wanted)
     result = plan.to_json()
-    result["suggestions"] = [s.to_json() for s in suggest(recipe, read, target)]
+    result["suggestions"] = [s.to_json() for s in suggest(recipe, read, target, stages=wanted)]
     result["verdict"] = verdict(plan.stages, target.memory_bytes)
     return result
 

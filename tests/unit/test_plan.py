@@ -160,8 +160,18 @@ def test_cli_exit_2_with_one_line_and_suggestions():
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "GiB over" in errors[0]
     assert "rlhf merge --set run.device=cpu" in result.stdout
-    # the merge in fp32 needs 27 GiB wherever it runs: in the CPU's memory it does not fit 12
+    # on the CPU `auto` is fp32: the merge needs 27 GiB of its memory, not 12
     assert _plan("--memory", "30GiB", "--set", "run.device=cpu").exit_code == 0
+
+
+def test_cli_plans_only_the_stages_asked_for():
+    """A 12 GiB card runs the mistral7b recipe's PPO (its merge, 14.5 GiB in bf16, elsewhere)."""
+    result = _plan("--memory", "12GiB", "--stage", "ppo", "--stage", "audit", "--json")
+    assert result.exit_code == 0, result.output
+    assert set(json.loads(result.stdout)["stages"]) == {"ppo", "audit"}
+    wrong = _plan("--stage", "rm")
+    assert wrong.exit_code == 2
+    assert "--stage rm: this recipe runs" in wrong.stderr
 
 
 def test_ppo_warns_before_loading_when_the_plan_is_over_free_memory(monkeypatch, make_recipe):
