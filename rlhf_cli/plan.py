@@ -183,7 +183,7 @@ def model_shape(config: Any, causal: bool, lora: LoraSection | None) -> ModelSha
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = getattr(config, "dtype", None)
     return ModelShape(
         params=sum(p.numel() for p in model.parameters()),
         linear_params=linear,
