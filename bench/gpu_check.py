@@ -146,7 +146,7 @@ def check(shape: str, iterations: int, backend: str = "hf") -> dict:
         build_s = time.perf_counter() - start
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        run_ppo(r, Console(stderr=True, quiet=True))
+        memory = run_ppo(r, Console(stderr=True, quiet=True))["metrics"]
         rows = read_metrics(Path(r.run.output_dir) / r.run.name / "ppo" / "metrics.jsonl")
     keys = [
         "time/rollout_s",
@@ -168,7 +168,20 @@ def check(shape: str, iterations: int, backend: str = "hf") -> dict:
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if torch.cuda.is_available()
         else None,
+        **plan_beside_measured(memory),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+
+
+def plan_beside_measured(metrics: dict) -> dict:
+    """A stage manifest's measured peak (`max_memory_allocated` on CUDA, the RSS on the CPU)
+    beside `rlhf plan`'s estimate for it, and their gap."""
+    measured, planned = metrics.get("peak_memory_bytes"), metrics.get("planned_peak_bytes")
+    return {
+        "measured_peak_gib": round(measured / 2**30, 2) if measured else None,
+        "measured_kind": metrics.get("peak_memory_kind"),
+        "planned_peak_gib": round(planned / 2**30, 2) if planned else None,
+        "plan_gap": round((planned - measured) / measured, 3) if measured and planned else None,
     }
 
 
@@ -208,7 +221,8 @@ def paths(shape: str) -> dict:
         for dtype in ("bfloat16", "float16"):
             merged = r.model_copy(update={"merge": r.merge.model_copy(update={"dtype": dtype})})
             try:
-                out[f"merge_{dtype}"] = run_merge(merged, quiet)["metrics"]
+                metrics = run_merge(merged, quiet)["metrics"]
+                out[f"merge_{dtype}"] = {**metrics, **plan_beside_measured(metrics)}
             except RlhfError as exc:
                 out[f"merge_{dtype}"] = {"error": str(exc)}
     return out

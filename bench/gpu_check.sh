@@ -4,6 +4,8 @@
 # guide's Mistral-7B recipe shape in 4-bit NF4 (peak GPU memory against the guide's ~20 GB).
 # On a machine with two GPUs or more it also runs the Qwen shape under DeepSpeed ZeRO-3 on two
 # GPUs (recipes/accelerate/deepspeed_zero3.yaml), the sharded path the CPU tests prove.
+# Each result holds `rlhf plan`'s estimate beside the measured peak (planned_peak_gib,
+# measured_peak_gib: max_memory_allocated, plan_gap) for PPO and the bf16 / fp16 merges.
 # Usage (device tool): bash bench/gpu_check.sh
 #   → $OUT/gpu_check_{qwen,qwen_vllm,paths,mistral,zero3}.json
 set -euo pipefail

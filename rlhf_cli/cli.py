@@ -213,6 +213,89 @@ def validate(
 
 @app.command(cls=_Command)
 @_exit_on_errors
+def plan(
+    recipe: RecipeOpt = None,
+    sets: SetOpt = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu",
+            help="A GPU of the table: T4, A10G, L4, RTX-4090, A100-40GB, A100-80GB, H100, H200.",
+        ),
+    ] = None,
+    memory: Annotated[
+        str | None,
+        typer.Option("--memory", help="Memory per process, e.g. 24GiB (wins over --gpu)."),
+    ] = None,
+    processes: Annotated[int, typer.Option("--processes", min=1, help="Processes (GPUs).")] = 1,
+    sharding: Annotated[
+        str, typer.Option("--sharding", help="none, zero2, zero3 or fsdp (the accelerate config).")
+    ] = "none",
+    config: Annotated[
+        Path | None, typer.Option("--config", help="The policy's config.json (offline hub ids).")
+    ] = None,
+    reward_config: Annotated[
+        Path | None, typer.Option("--reward-config", help="The reward model's config.json.")
+    ] = None,
+    tflops: Annotated[
+        float | None, typer.Option("--tflops", min=0.001, help="Peak dense bf16 TFLOPS.")
+    ] = None,
+    bandwidth: Annotated[
+        float | None, typer.Option("--bandwidth", min=0.001, help="Memory bandwidth, GB/s.")
+    ] = None,
+    stages: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--stage",
+            help="Plan only this stage (sft, train-rm, ppo, audit, merge); repeat for several.",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
+    """Estimate each stage's peak memory per process and one PPO iteration's time, before
+    anything loads; exit 2 when it does not fit the memory given."""
+    from rlhf_cli.stages.plan import plan_command
+
+    result = plan_command(
+        resolve_recipe(recipe, runs_dir, sets),
+        gpu=gpu, memory=memory, processes=processes, sharding=sharding,
+        configs=(config, reward_config), peaks=(tflops, bandwidth), stages=stages,
+    )  # fmt: skip
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        _print_plan(result)
+    if not result["fits"]:
+        from rlhf_cli.errors import DoesNotFit
+
+        raise DoesNotFit(result["verdict"])
+
+
+def _print_plan(result: dict[str, Any]) -> None:
+    out = Console(highlight=False)
+    for name, stage in result["stages"].items():
+        title = f"{name}: {fmt_gib(stage['peak_bytes'])} at peak ({stage['phase']})"
+        if "iteration_s" in stage:
+            title += f", one iteration ≥ {stage['iteration_s']:.1f} s at the GPU's peak figures"
+        table = Table("part", "GiB")
+        for part, size in stage["parts"].items():
+            table.add_row(part, fmt_gib(size, unit=False))
+        out.print(title, table)
+    if result["fits"]:  # otherwise the error line says it
+        out.print(result["verdict"])
+    for s in result["suggestions"]:
+        args = " ".join(f"--set {a}" for a in s["set"])
+        how = s.get("launch") or (f"rlhf {s['stage']} {args}" if "stage" in s else args)
+        out.print(f"  {how}  → {fmt_gib(s['peak_bytes'])}")
+
+
+def fmt_gib(size: int, unit: bool = True) -> str:
+    return f"{size / 1024**3:.2f}" + (" GiB" if unit else "")
+
+
+@app.command(cls=_Command)
+@_exit_on_errors
 def sft(
     recipe: RecipeOpt = None,
     sets: SetOpt = None,
@@ -394,17 +477,35 @@ def status(
             table.add_row(name, ", ".join(row["completed"]) or "—", row["next"] or "—")
         out.print(table)
         return
-    table = Table("stage", "status", "finished", "key numbers", title=f"run '{result['run']}'")
+    table = Table(
+        "stage", "status", "finished", "peak memory / plan", "key numbers",
+        title=f"run '{result['run']}'",
+    )  # fmt: skip
     for row in result["stages"]:
         shown = row["status"] + (f" (pid {row['pid']})" if "pid" in row else "")
         if "last_attempt" in row:
             shown += f"; last attempt {row['last_attempt']}"
         if "from_run" in row:
             shown += f" (run {row['from_run']}'s)"
-        numbers = metrics_line(row.get("metrics", {}))
-        table.add_row(row["stage"], shown, row.get("finished_at") or "", numbers)
+        metrics = row.get("metrics", {})
+        numbers = metrics_line(metrics, lambda key: not key.startswith(MEMORY_KEYS))
+        memory = _memory_cell(metrics)
+        table.add_row(row["stage"], shown, row.get("finished_at") or "", memory, numbers)
     out.print(table)
     out.print(f"next: {result['next']}" if result["next"] else "next: nothing to run now")
+
+
+MEMORY_KEYS = ("peak_memory", "planned_peak")
+
+
+def _memory_cell(metrics: dict[str, Any]) -> str:
+    """`measured / planned` in GiB (the measurement's kind: CUDA-allocated or the CPU's RSS)."""
+    measured, planned = metrics.get("peak_memory_bytes"), metrics.get("planned_peak_bytes")
+    if measured is None:
+        return ""
+    kind = " RSS" if metrics.get("peak_memory_kind") == "cpu_rss" else ""
+    plan = fmt_gib(planned) if planned is not None else "—"
+    return f"{fmt_gib(measured)}{kind} / {plan}"
 
 
 @app.command(cls=_Command)

@@ -92,3 +92,7 @@ class NonFiniteError(RlhfError):
     """Too many iterations in a row with non-finite rewards or losses: training diverged."""
 
     exit_code = 3
+
+
+class DoesNotFit(RlhfError):
+    """`rlhf plan`: the estimated peak exceeds the memory given (a CI gate before a launch)."""

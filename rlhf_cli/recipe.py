@@ -29,9 +29,10 @@ from pydantic import (
 from rlhf_cli.errors import RecipeError
 
 BUILTIN_PREFIX = "builtin:"
-# estimators that compare a prompt's completions (ppo/estimators.py's grouped rows; a unit test
-# keeps the two equal)
+# estimators that compare a prompt's completions, and those that need a critic
+# (ppo/estimators.py's grouped and needs_critic rows; a unit test keeps them equal)
 GROUPED_ESTIMATORS = ("rloo", "grpo")
+CRITIC_ESTIMATORS = ("gae",)
 LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")
 GUIDE_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GUIDE_SYCOPHANTIC_OPENERS = [
@@ -633,6 +634,11 @@ class PpoSection(Section):
                 "the prompt's others; set ppo.num_generations to 2 or more"
             )
         return self
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether `advantage_estimator` trains a value head or model (`rlhf plan` counts it)."""
+        return self.advantage_estimator in CRITIC_ESTIMATORS
 
 
 class AuditSection(Section):

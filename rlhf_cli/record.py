@@ -238,8 +238,24 @@ class StageRecord:
             }
             self.run.prepare(self.recipe)
         self.dir.mkdir(parents=True, exist_ok=True)
+        reset_peak_memory()
         self.save()
         return self
+
+    def _memory(self) -> dict[str, Any]:
+        """This process's measured peak beside the plan's estimate for the stage (None when
+        the plan cannot read a model's config offline, or fails). The estimate only annotates
+        the stage's result: whatever goes wrong in it (an architecture the meta device cannot
+        build, a config without a field the plan reads) becomes a manifest warning, and never
+        fails the stage, masks its own error or leaves its lock behind."""
+        from rlhf_cli.plan import planned_stage_peak
+
+        try:
+            planned = planned_stage_peak(self.recipe, PLANNED.get(self.stage))
+        except Exception as error:  # noqa: BLE001 - any failure of an estimate, as above
+            self.warn(f"no planned peak memory: {type(error).__name__}: {error}")
+            planned = None
+        return {**measured_peak(), "planned_peak_bytes": planned}
 
     def __exit__(
         self,
@@ -247,6 +263,7 @@ class StageRecord:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.manifest["metrics"] = {**self.manifest["metrics"], **self._memory()}
         if exc_type is None:
             self.manifest["status"] = "completed"
         elif issubclass(exc_type, KeyboardInterrupt):
@@ -295,6 +312,34 @@ class StageRecord:
         except (ValueError, AttributeError, TypeError):
             _restore(self.run.manifest_path(self.stage), before["manifest"])
         return "the stage's earlier state is kept"
+
+
+PLANNED = {"sft": "sft", "rm": "train-rm", "ppo": "ppo", "audit": "audit", "merged": "merge"}
+
+
+def reset_peak_memory() -> None:
+    """Start CUDA's peak counters at this stage (the CPU's peak RSS is the process's)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def measured_peak() -> dict[str, Any]:
+    """`peak_memory_bytes`: torch's `max_memory_allocated` on CUDA (with `reserved` beside),
+    else the process's peak resident set (`resource.getrusage`, Linux's kilobytes)."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(),
+            "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(),
+            "peak_memory_kind": "cuda_allocated",
+        }
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak_memory_bytes": rss, "peak_memory_kind": "cpu_rss"}
 
 
 def _read_bytes(path: Path) -> bytes | None:

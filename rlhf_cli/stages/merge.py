@@ -1,10 +1,15 @@
 """`rlhf merge`: the LoRA adapter merged into its base (the guide's Part 11, Option B).
 
-The base is reloaded in float32 (never 4-bit), the adapter applied and merged with
-`merge_and_unload` in float32, and the merged model cast once to `merge.dtype`. Two logit checks
-against the float32 adapter model on a few prompts come before anything is saved: the float32
-merge within `merge.atol` (a wrong merge fails here, whatever the target dtype), and the cast
-model within `cast_tolerance` (a bf16/fp16 copy is allowed a few rounding steps of its dtype).
+The base is reloaded (never 4-bit) in `merge.dtype` when its checkpoint is stored in that
+dtype, else in float32, with the adapter in float32, and merged with `merge_and_unload`: peft
+adds each layer's float32 delta to its weight in place, `W += B·A·s`, which computes in float32
+and rounds once, so a 16-bit base gives the float32 merge's numbers after its cast (the SFT
+adapter beneath a PPO adapter is merged first, in its own rounding) while the peak is the model
+in its dtype plus one layer's float32 delta, not the float32 model (28 GiB for a 7B).
+A float32 merge is checked against the float32 adapter model's logits within `merge.atol` (a
+wrong merge fails here) and, for a 16-bit `merge.dtype`, cast once and checked within
+`cast_tolerance` (a few rounding steps of its dtype); a merge in 16-bit is checked against its
+own adapter model within `cast_tolerance`.
 """
 
 from __future__ import annotations
@@ -31,9 +36,18 @@ from rlhf_cli.stages.trained import check_sft_fits, policy_source
 CAST_ULPS = 16
 
 
-def merge_model_config(recipe: Recipe) -> ModelSection:
-    """The model section as merging needs it: float32 weights, no new adapter."""
-    return recipe.model.variant(lora=False, load_in_4bit=False, dtype="float32")
+def merge_model_config(recipe: Recipe, dtype: torch.dtype) -> ModelSection:
+    """The model section as merging needs it: weights in `dtype`, no new adapter."""
+    return recipe.model.variant(lora=False, load_in_4bit=False, dtype=str(dtype).split(".")[1])
+
+
+def load_dtype(base: str, dtype: torch.dtype) -> torch.dtype:
+    """`dtype` when the base checkpoint is stored in it (loading it there rounds nothing),
+    else float32 (an fp32 checkpoint's weights must meet their delta unrounded)."""
+    from rlhf_cli.plan import load_config
+
+    stored = str(getattr(load_config(base), "dtype", None) or torch.float32)
+    return dtype if stored.removeprefix("torch.") == str(dtype).split(".")[1] else torch.float32
 
 
 def cast_tolerance(dtype: torch.dtype, scale: float, atol: float) -> float:
@@ -57,27 +71,30 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def merge_and_cast(
     model: Any, ids: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype, atol: float
 ) -> tuple[Any, dict[str, Any], str | None]:
-    """Merge the float32 adapter model `model` in float32 and cast it once to `dtype`, checking
-    both steps against the adapter model's logits on `ids`. Returns the merged model, the
-    manifest's metrics, and why it is refused (None when it passes)."""
+    """Merge the adapter model `model` (its adapter in float32) and cast it once to `dtype`,
+    checking the merge against the adapter model's logits on `ids`: within `atol` on a float32
+    base (then the cast within `cast_tolerance`), within `cast_tolerance` on a base already
+    in `dtype`. Returns the merged model, the manifest's metrics, and why it is refused (None
+    when it passes)."""
+    in_fp32 = model.get_base_model().dtype == torch.float32
     before = _logits(model, ids, mask)
     merged = model.merge_and_unload()
     merge_diff = _max_diff(_logits(merged, ids, mask), before)
     diff = merge_diff
-    if dtype != torch.float32:
+    if dtype != torch.float32 and in_fp32:
         merged = merged.to(dtype)
         diff = _max_diff(_logits(merged, ids, mask), before)
     tolerance = cast_tolerance(dtype, float(before.abs().max()), atol)
     metrics = {
         "max_abs_logit_diff": diff,
         "tolerance": tolerance,
-        "merge_logit_diff_fp32": merge_diff,
+        **({"merge_logit_diff_fp32": merge_diff} if in_fp32 else {}),
         "atol": atol,
         "dtype": str(next(merged.parameters()).dtype),
         "parameters": sum(p.numel() for p in merged.parameters()),
     }
     problem = None
-    if not merge_diff <= atol:
+    if in_fp32 and not merge_diff <= atol:
         problem = (
             f"the float32 merge changes the adapter model's logits by {merge_diff:.3g} > "
             f"merge.atol ({atol})"
@@ -105,15 +122,15 @@ def run_merge(recipe: Recipe, console: Console, stage: Literal["ppo", "sft"] = "
     adapter = source.resolve_output(stage, manifest, "adapter")
     device = pick_device(recipe.run.device)
     dtype = resolve_dtype(recipe.merge.dtype, device)
-    model_cfg = merge_model_config(recipe)
     sft_now: dict[str, Any] = {}
     base, sft_adapter, tok_source = policy_source(recipe, run, sft_now, "rlhf merge")
+    model_cfg = merge_model_config(recipe, load_dtype(base, dtype))
     if stage == "ppo":
         check_sft_fits(manifest, sft_now, f"the ppo adapter of run '{source.name}'", "adapter")
     inputs = {**sft_now, stage: source.input_record(stage)}  # and the SFT it stands on
     with StageRecord(run, "merged", recipe, inputs=inputs) as record:
-        # 1. Base in float32 (the SFT model for a PPO adapter), then the adapter.
-        with console.status(f"loading the base in float32 and the {stage} adapter"):
+        # 1. Base in merge.dtype or float32 (the SFT model for a PPO adapter), then the adapter.
+        with console.status(f"loading the base in {model_cfg.dtype} and the {stage} adapter"):
             if stage == "ppo":
                 base_model = load_sft_model(model_cfg, base, sft_adapter, device)
                 tok_source = str(run.resolve_output("ppo", manifest, "tokenizer"))
@@ -122,7 +139,7 @@ def run_merge(recipe: Recipe, console: Console, stage: Literal["ppo", "sft"] = "
             model = PeftModel.from_pretrained(base_model, str(adapter)).eval()
         tokenizer = load_policy_tokenizer(recipe.model, tok_source, "left")
 
-        # 2. Merge in float32, cast to merge.dtype, check the logits on a few prompts.
+        # 2. Merge (each layer's delta in float32), cast to merge.dtype, check the logits.
         queries = tokenize_prompts(
             tokenizer, audit_prompts(recipe.audit)[:4], recipe.model.prompt_format == "chat", 64
         )

@@ -65,6 +65,8 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> Manifest:
     run = RunDir.for_recipe(recipe)
     device = pick_device(recipe.run.device)
     check_backend(recipe.ppo.generation, recipe.model.quantization.load_in_4bit)
+    if device.type == "cuda":
+        warn_over_plan(recipe, console)
     trackers = Trackers.for_stage(recipe.run, "ppo", run.stage_dir("ppo"))
     # Trained weights stay fp32; a half-precision recipe computes under autocast (CUDA only).
     accelerator = build_accelerator(
@@ -111,6 +113,26 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> Manifest:
             if accelerator.is_main_process:
                 save(ppo, actor, sources, record, summary)
     return record.manifest
+
+
+PLAN_MARGIN = 1.1  # the estimate is rough: warn only when it is clearly over
+
+
+def warn_over_plan(recipe: Recipe, console: Console) -> None:
+    """Before anything loads: a warning (never a refusal) when the plan's PPO peak exceeds
+    the GPU's free memory by more than PLAN_MARGIN, with what `rlhf plan` would change."""
+    import torch
+
+    from rlhf_cli.plan import planned_stage_peak
+
+    free, _ = torch.cuda.mem_get_info()
+    planned = planned_stage_peak(recipe, "ppo")
+    if planned is not None and planned > PLAN_MARGIN * free:
+        console.print(
+            f"[yellow]warning:[/] the plan estimates {planned / 2**30:.1f} GiB for PPO, over "
+            f"the {free / 2**30:.1f} GiB free: `rlhf plan --memory {free // 2**20}MiB` "
+            "lists --set changes that fit"
+        )
 
 
 def setup(

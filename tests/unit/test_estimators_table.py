@@ -10,14 +10,14 @@ import torch
 
 from rlhf_cli.ppo.estimators import ESTIMATORS, Batch, estimator
 from rlhf_cli.ppo.loop import advantages_of
-from rlhf_cli.recipe import GROUPED_ESTIMATORS, PpoSection
+from rlhf_cli.recipe import CRITIC_ESTIMATORS, GROUPED_ESTIMATORS, PpoSection
 
 
 def test_the_recipe_offers_exactly_the_tables_rows():
     offered = typing.get_args(PpoSection.model_fields["advantage_estimator"].annotation)
     assert set(offered) == set(ESTIMATORS)
     assert set(GROUPED_ESTIMATORS) == {n for n, e in ESTIMATORS.items() if e.grouped}
-    assert [n for n, e in ESTIMATORS.items() if e.needs_critic] == ["gae"]
+    assert [n for n, e in ESTIMATORS.items() if e.needs_critic] == list(CRITIC_ESTIMATORS)
 
 
 def test_an_unknown_estimator_is_an_error_not_a_default():

@@ -94,6 +94,7 @@ def test_shared_helpers_import_no_layer_above():
         "rlhf_cli.recipe",
         "rlhf_cli.errors",
         "rlhf_cli.tiny",
+        "rlhf_cli.plan",
     )
     above = ("rlhf_cli.ppo", "rlhf_cli.audit", "rlhf_cli.stages", "rlhf_cli.cli")
     for module, targets in import_graph().items():

@@ -122,7 +122,11 @@ def test_completed_manifest_has_every_field(run: RunDir, recipe: Recipe) -> None
     assert manifest["stage"] == "sft" and manifest["status"] == "completed"
     assert manifest["recipe_sha256"] == recipe.sha256()
     assert manifest["outputs"] == {"adapter": "adapter"}
-    assert manifest["metrics"] == {"eval_loss": 1.5}
+    memory = {"peak_memory_bytes", "peak_memory_kind", "planned_peak_bytes"}
+    assert (
+        manifest["metrics"]["eval_loss"] == 1.5
+        and set(manifest["metrics"]) == {"eval_loss"} | memory
+    )
     assert manifest["warnings"] == ["w"]
     assert {"python", "torch", "transformers", "trl", "peft", "accelerate", "rlhf-cli"} <= set(
         manifest["versions"]
