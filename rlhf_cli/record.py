@@ -237,7 +237,7 @@ class StageRecord:
                 "latest": _read_bytes(self.run.output_dir / "LATEST"),
             }
             self.run.prepare(self.recipe)
-        self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(parents=True, exist_ok=True)
         self.save()
         return self
 
