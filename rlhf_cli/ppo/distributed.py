@@ -143,9 +143,13 @@ def lost_process_as_error(acc: Any, checkpoints: Path) -> Iterator[None]:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         reason = first.split("] ", 1)[-1].split(". ")[0]  # gloo's "[file:line] What. Hint."
         saved = numbered(checkpoints, PPO_CHECKPOINT)
-        newest = f"its newest checkpoint is {saved[-1].name}" if saved else "no checkpoint yet"
+        then = (
+            f"its newest checkpoint is {saved[-1].name}: once every machine is back, start the "
+            "same launch on each with `rlhf ppo --resume`"
+            if saved
+            else "no checkpoint yet: once every machine is back, start the same launch again"
+        )
         raise ProcessLostError(
-            f"another process of this {acc.num_processes}-process run is gone ({reason}); "
-            f"{newest}: once every machine is back, start the same launch on each with "
-            "`rlhf ppo --resume`"
+            f"another process of this {acc.num_processes}-process run is gone or unreachable "
+            f"({reason}); {then}"
         ) from None
