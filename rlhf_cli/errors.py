@@ -74,6 +74,12 @@ class CheckpointWriteError(RlhfError):
     """A checkpoint could not be written (e.g. the disk is full); the previous one is intact."""
 
 
+class ProcessLostError(RlhfError):
+    """Another process of a multi-process (or multi-machine) run stopped answering: its machine
+    died, was stopped, or lost the network. The stage stops; it resumes from its newest
+    checkpoint."""
+
+
 class MergeMismatch(RlhfError):
     """The merged model does not reproduce the adapter model; nothing was saved."""
 

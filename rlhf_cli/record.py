@@ -2,8 +2,10 @@
 what a manifest means now (`stage_state`: completed, running, stopped, what to type next;
 `require`: an input stage's completed manifest, or the error that says what to run first).
 
-`runs/<name>/.lock` holds the pid, start time and command of the process running a stage; a
-lock whose process is gone (or whose pid now names a later process) is stale and taken over.
+`runs/<name>/.lock` holds the pid, start time, host and command of the process running a stage;
+a lock whose process is gone (or whose pid now names a later process) is stale and taken over. A
+lock taken on another host (a run directory on a shared filesystem) cannot be checked from here:
+it counts as held.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import socket
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -47,12 +50,15 @@ def _process_start(pid: int) -> str | None:
 
 def lock_holder(lock: Path) -> dict[str, Any] | None:
     """The live holder of a lock file, or None when the lock is stale: its process is gone, or
-    its pid now belongs to a process started later (another program)."""
+    its pid now belongs to a process started later (another program). A holder on another host
+    counts as live: its pid means nothing here."""
     try:
         holder = json.loads(lock.read_text())
         pid = int(holder["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # unreadable or half-written: treat as stale
+    if holder.get("host", socket.gethostname()) != socket.gethostname():
+        return holder
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -76,18 +82,25 @@ def acquire(run: RunDir, command: str) -> Path:
         except FileExistsError:
             holder = lock_holder(lock)
             if holder is not None:
+                host = holder.get("host", socket.gethostname())
+                elsewhere = host != socket.gethostname()
                 raise StageError(
-                    f"run '{run.name}' is busy: pid {holder['pid']} "
-                    f"({holder.get('command', '?')}, since "
-                    f"{holder.get('since', '?')}) holds {lock}; wait for it "
-                    "to finish or stop it"
+                    f"run '{run.name}' is busy: pid {holder['pid']}"
+                    f"{f' on {host}' if elsewhere else ''} ({holder.get('command', '?')}, since "
+                    f"{holder.get('since', '?')}) holds {lock}; wait for it to finish or stop it"
+                    f"{f' (if {host} is gone, delete {lock})' if elsewhere else ''}"
                 ) from None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(lock)  # stale: its process is gone
             continue
         with os.fdopen(fd, "w") as handle:
             pid = os.getpid()
-            holder = {"pid": pid, "started": _process_start(pid), "command": command}
+            holder = {
+                "pid": pid,
+                "started": _process_start(pid),
+                "host": socket.gethostname(),
+                "command": command,
+            }
             json.dump({**holder, "since": now_iso()}, handle)
         return lock
     raise StageError(f"run '{run.name}': could not take {lock}")
@@ -237,7 +250,7 @@ class StageRecord:
                 "latest": _read_bytes(self.run.output_dir / "LATEST"),
             }
             self.run.prepare(self.recipe)
-        self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(parents=True, exist_ok=True)
         reset_peak_memory()
         self.save()
         return self

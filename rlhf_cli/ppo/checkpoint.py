@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from accelerate.utils import gather_object
 from safetensors.torch import save_file
 
 from rlhf_cli.errors import StageError, checkpoint_mismatch, is_shape_error
@@ -66,7 +67,9 @@ def save_checkpoint(
     """Write `iter_<iteration>` atomically; return its folder. Every process calls it: the
     trained weights are gathered whole into `policy.safetensors` / `value.safetensors` (what
     `rlhf audit` reads), the optimizer state is written as the engine shards it, and each
-    process keeps its own RNG state (`rng_<rank>.pt`)."""
+    process's RNG state (`rng_<rank>.pt`) is gathered to the main process, which writes it: a
+    replicated (DDP) run writes its run directory from the main process alone, so the other
+    machines of a multi-machine run need no shared filesystem to write it."""
     acc = engine.acc
     final = root / f"iter_{iteration:05d}"
     tmp = root / f".{final.name}.tmp"
@@ -80,8 +83,10 @@ def save_checkpoint(
                 save_file(trainable_state(whole.policy), tmp / "policy.safetensors")
                 save_file(whole.value_state_dict(), tmp / "value.safetensors")
         engine.save_state(actor, optimizer, tmp)
-        torch.save(rng_state(sampler), tmp / f"rng_{acc.process_index}.pt")
+        states = gather_object([rng_state(sampler)])  # in rank order, whichever machine
         if acc.is_main_process:
+            for rank, state in enumerate(states):
+                torch.save(state, tmp / f"rng_{rank}.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             layout = {"engine": engine.name, "processes": acc.num_processes}
             atomic_write_json(

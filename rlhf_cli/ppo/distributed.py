@@ -7,13 +7,17 @@ Process `rank` of `world` holds rows rank, rank + world, ... of the global batch
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from rlhf_cli.errors import ProcessLostError
 from rlhf_cli.ppo import core
+from rlhf_cli.resume import PPO_CHECKPOINT, numbered
 
 GlobalRows = Callable[[Callable[[Tensor], Tensor], Tensor], Tensor]
 
@@ -112,3 +116,40 @@ def scalar(x: Any) -> float:
     if hasattr(x, "full_tensor"):
         x = x.full_tensor()
     return float(x) if x is not None else float("nan")
+
+
+# What a collective raises when a peer is gone: gloo's transport errors (a closed or reset
+# connection, or its timeout, 30 min by default) name their source file; NCCL's come as DistError.
+LOST_PEER_MARKERS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether `exc` is a collective's report that another process is gone."""
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in LOST_PEER_MARKERS)
+
+
+@contextmanager
+def lost_process_as_error(acc: Any, checkpoints: Path) -> Iterator[None]:
+    """A collective that fails because another process is gone (a machine died, was stopped, or
+    lost the network) becomes one line naming the newest checkpoint and the command that
+    continues from it; the stage's manifest then says `failed` and `--resume` accepts it."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if acc.num_processes == 1 or not lost_peer(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first.split("] ", 1)[-1].split(". ")[0]  # gloo's "[file:line] What. Hint."
+        saved = numbered(checkpoints, PPO_CHECKPOINT)
+        then = (
+            f"its newest checkpoint is {saved[-1].name}: once every machine is back, start the "
+            "same launch on each with `rlhf ppo --resume`"
+            if saved
+            else "no checkpoint yet: once every machine is back, start the same launch again"
+        )
+        raise ProcessLostError(
+            f"another process of this {acc.num_processes}-process run is gone or unreachable "
+            f"({reason}); {then}"
+        ) from None

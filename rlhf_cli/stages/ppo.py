@@ -32,6 +32,7 @@ from rlhf_cli.modeling import (
 )
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.checkpoint import checkpoint_state, load_checkpoint
+from rlhf_cli.ppo.distributed import lost_process_as_error
 from rlhf_cli.ppo.health import HealthMonitor
 from rlhf_cli.ppo.logs import RunLogs, summarize
 from rlhf_cli.ppo.loop import train
@@ -94,9 +95,10 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> Manifest:
             "its weights were trained on the earlier one; `rlhf ppo` without --resume starts "
             "over on this one",
         )
-    with StageRecord(
-        run, "ppo", recipe, inputs=inputs, write=accelerator.is_main_process
-    ) as record:
+    with (
+        StageRecord(run, "ppo", recipe, inputs=inputs, write=accelerator.is_main_process) as record,
+        lost_process_as_error(accelerator, checkpoints),  # a machine gone: one line, resumable
+    ):
         ppo, start = setup(recipe, run, sources, accelerator, record, console, checkpoint)
         try:
             summary = train(ppo, start)

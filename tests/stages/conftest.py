@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from launching import SHARDED, recipe_in
 from rich.console import Console
 from tracker_stores import TRACKER_PROJECT
 
 from rlhf_cli.recipe import Recipe, load_recipe
+from rlhf_cli.rundir import RunDir
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +49,20 @@ def ppo_recipe() -> Callable[..., Recipe]:
     """`ppo_recipe(pipeline, folder, small_recipe, {ppo section}, **other sections)`: the
     pipeline's runs copied into `folder` and a recipe whose sections are updated."""
     return _ppo_recipe
+
+
+@pytest.fixture(scope="session")
+def one_process_run(
+    ppo_recipe: Callable[..., Recipe],
+    pipeline: Path,
+    small_recipe: Callable[..., Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> RunDir:
+    """`launching.SHARDED` on one process: the numbers every multi-process layout (several
+    processes, several machines) must reproduce."""
+    from rlhf_cli.stages.ppo import run_ppo
+
+    path = recipe_in(tmp_path_factory.mktemp("one"), ppo_recipe, pipeline, small_recipe, SHARDED)
+    recipe = load_recipe(path)
+    run_ppo(recipe, Console(stderr=True, quiet=True))
+    return RunDir.for_recipe(recipe)

@@ -38,6 +38,8 @@ SAMPLED = {
     "log_every": 1,
     "generation": {"max_new_tokens": 16, "do_sample": True, "top_p": 0.9},
 }
+# three iterations, a checkpoint after each: the third is dropped to resume from the second
+SHARDED = {**SAMPLED, "iterations": 3}
 COMPARED = [
     "env/reward_mean",
     "env/reward_std",
@@ -56,7 +58,7 @@ COMPARED = [
 AUDITED = ["audit/verbosity_score", "audit/repetition_score", "audit/avg_response_len"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -68,7 +70,7 @@ def launch(engine: str, folder: Path, *extra: str) -> RunDir:
         pytest.importorskip("deepspeed")
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--config_file", str(REPO / "recipes" / "accelerate" / CONFIGS[engine]),
-           "--main_process_port", str(_free_port()),
+           "--main_process_port", str(free_port()),
            "-m", "rlhf_cli.cli", "ppo", "--recipe", str(folder / "recipe.yaml"), "--quiet",
            *extra]  # fmt: skip
     run = RunDir.for_recipe(load_recipe(folder / "recipe.yaml"))

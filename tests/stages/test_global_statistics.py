@@ -4,13 +4,13 @@ the numbers equal one process's on the whole batch, and differ from each shard's
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launching import free_port
 from torch.testing import assert_close
 
 from rlhf_cli.ppo import core
@@ -44,12 +44,6 @@ if acc.is_main_process:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_processes_compute_the_global_batch_statistics(tmp_path: Path) -> None:
     torch.manual_seed(0)
     x = torch.randn(6, 5) * 3 + torch.arange(6).unsqueeze(1)  # shards differ in mean
@@ -60,7 +54,7 @@ def test_two_processes_compute_the_global_batch_statistics(tmp_path: Path) -> No
     inputs.write_text(json.dumps([x.tolist(), values.tolist(), mask.int().tolist()]))
     (tmp_path / "stats.py").write_text(SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(_free_port()), str(tmp_path / "stats.py"), str(inputs),
+           "--master_port", str(free_port()), str(tmp_path / "stats.py"), str(inputs),
            str(result)]  # fmt: skip
     for _attempt in range(2):  # torchrun rarely reports a failure after both ranks finished
         done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -22,13 +22,12 @@ import pytest
 from launching import (
     CONFIGS,
     ENGINE_NAME,
-    SAMPLED,
+    SHARDED,
     assert_same_numbers,
     launch,
     recipe_in,
     rows,
 )
-from rich.console import Console
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
@@ -38,24 +37,9 @@ from rlhf_cli.rundir import RunDir
 pytestmark = pytest.mark.slow
 
 
-# three iterations, a checkpoint after each: the third is dropped to resume from the second
-SHARDED = {**SAMPLED, "iterations": 3}
-
-
-@pytest.fixture(scope="module")
-def one_process(ppo_recipe, pipeline, small_recipe, tmp_path_factory) -> RunDir:
-    """The same recipe on one process: the numbers every layout must reproduce."""
-    from rlhf_cli.stages.ppo import run_ppo
-
-    path = recipe_in(tmp_path_factory.mktemp("one"), ppo_recipe, pipeline, small_recipe, SHARDED)
-    recipe = load_recipe(path)
-    run_ppo(recipe, Console(stderr=True, quiet=True))
-    return RunDir.for_recipe(recipe)
-
-
 @pytest.mark.parametrize("engine", list(CONFIGS))
 def test_two_processes_match_one_process_and_resume_to_it(
-    engine, one_process, ppo_recipe, pipeline, small_recipe, tmp_path
+    engine, one_process_run, ppo_recipe, pipeline, small_recipe, tmp_path
 ):
     """The run matches one process (numbers and final adapter); then, stopped after its second
     iteration, it resumes to the same numbers: each process restores its own RNG state and the
@@ -68,10 +52,10 @@ def test_two_processes_match_one_process_and_resume_to_it(
     assert (state["engine"], state["processes"]) == (ENGINE_NAME[engine], 2)
     uninterrupted = rows(run)
     assert [r["ppo/optimizer_steps"] for r in uninterrupted] == [2.0, 2.0, 2.0]  # 2 x 8 / (4 x 2)
-    assert_same_numbers(uninterrupted, rows(one_process))
+    assert_same_numbers(uninterrupted, rows(one_process_run))
     # the final adapter, saved once from the gathered weights, is the one-process adapter
     mine = load_file(run.stage_dir("ppo") / "adapter" / "adapter_model.safetensors")
-    theirs = load_file(one_process.stage_dir("ppo") / "adapter" / "adapter_model.safetensors")
+    theirs = load_file(one_process_run.stage_dir("ppo") / "adapter" / "adapter_model.safetensors")
     assert mine.keys() == theirs.keys() and len(mine) > 0
     for name in mine:
         assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-6)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,23 @@ def test_a_lock_whose_pid_now_belongs_to_another_program_is_stale(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_lock_taken_on_another_host_holds_the_run(tmp_path):
+    """On a shared filesystem the lock's pid means nothing on another machine: the run is
+    busy, and the line names the host and what to do if that machine is gone."""
+    recipe = _recipe(tmp_path)
+    run = RunDir.for_recipe(recipe)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that is gone here
+    run.path.mkdir(parents=True)
+    lock = run.path / ".lock"
+    lock.write_text(json.dumps({"pid": dead.pid, "host": "node-b", "command": "rlhf ppo"}))
+    refused = f"pid {dead.pid} on node-b .*\\(if node-b is gone, delete"
+    with pytest.raises(StageError, match=refused):
+        with StageRecord(run, "sft", recipe, inputs={}):
+            pass
+    assert run.read_manifest("sft") is None
+    lock.unlink()  # what the line says to do
+    with StageRecord(run, "sft", recipe, inputs={}):  # a lock taken here records this host
+        assert json.loads(lock.read_text())["host"] == socket.gethostname()
