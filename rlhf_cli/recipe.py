@@ -536,7 +536,13 @@ class PpoSection(Section):
         0.0, "AdamW weight decay (0: TRL's PPO used Adam without decay).", ge=0.0
     )
     adaptive_kl: bool = _f(True, "Adapt β toward `target_kl` (Ziegler et al. 2019).")
-    init_kl_coef: float = _f(0.2, "Starting β of the per-token KL penalty.", ge=0.0)
+    init_kl_coef: float = _f(
+        0.2,
+        "Starting β of the per-token KL penalty. 0 makes a no-KL run: no reference forward at "
+        "rollout and no `objective/kl` while β is 0 (the adaptive update, multiplicative, "
+        "keeps it there; only an audit raise moves it).",
+        ge=0.0,
+    )
     target_kl: float = _f(6.0, "Target KL in nats for the adaptive controller.", gt=0.0)
     horizon: int = _f(10000, "Adaptive controller horizon.", gt=0)
     gamma: float = _f(1.0, "Discount (1.0: no discounting inside a response).", ge=0.0, le=1.0)
@@ -564,7 +570,32 @@ class PpoSection(Section):
         "Where β·KL goes: subtracted from the per-token rewards (Ziegler et al., InstructGPT), "
         "or added to the policy loss as a differentiable term (GRPO, usually with k3).",
     )
-    cliprange: float = _f(0.2, "ε of the clipped surrogate.", gt=0.0)
+    cliprange: float = _f(
+        0.2, "ε of the clipped surrogate (the lower ε when `cliprange_high` is set).", gt=0.0
+    )
+    cliprange_high: float | None = _f(
+        None,
+        "Upper ε of the clipped surrogate: the ratio is clipped to [1 − cliprange, 1 + "
+        "cliprange_high] (DAPO's clip-higher, which uses 0.28 with cliprange 0.2); None: "
+        "symmetric.",
+        gt=0.0,
+    )
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = _f(
+        "token_mean",
+        "How each mini-batch's per-token losses (policy, value, entropy bonus, KL with "
+        "`kl_in: loss`) become one: `token_mean` over all its tokens (DAPO; TRL's `dapo`), "
+        "`seq_mean_token_mean` (each response's token mean, then the mean over responses: "
+        "GRPO's paper, TRL's `grpo`), `seq_mean_token_sum_norm` (each response's token sum "
+        "over `generation.max_new_tokens`, then the mean over responses: Dr. GRPO, TRL's "
+        "`dr_grpo`). Exact for the global mini-batch however many processes share it.",
+    )
+    logprob_support: Literal["sampled", "full"] = _f(
+        "sampled",
+        "The distribution the ratio, KL and loss score tokens under: `sampled`, the one the "
+        "sampler drew from (temperature, then top-k and top-p renormalised; tokens outside the "
+        "nucleus get no gradient); `full`, the temperature-scaled softmax over the whole "
+        "vocabulary (TRL's).",
+    )
     cliprange_value: float = _f(0.2, "Value clipping range.", gt=0.0)
     vf_coef: float = _f(0.1, "c₁: weight of the value loss.", ge=0.0)
     entropy_coef: float = _f(0.0, "c₂: entropy bonus (0 allowed).", ge=0.0)

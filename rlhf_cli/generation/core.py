@@ -10,7 +10,8 @@ forward pass scores a token under the distribution it was drawn from:
 - log-probs apply the sampler's own warpers (temperature, top-k, top-p, transformers' classes)
   to the training forward's logits, so the ratio, the KL and the loss see the truncated
   distribution that was sampled; the sampled token is always kept in the support, so a later
-  policy whose nucleus moved still gives it a finite log-prob;
+  policy whose nucleus moved still gives it a finite log-prob (PPO's `logprob_support: full`
+  asks for the temperature-only distribution instead);
 - the backend records each sampled token's log-prob under the processed scores it was drawn
   from (`Generations.sampler_logprobs`), so PPO can log the largest disagreement with the
   training forward (`rollout/logprob_mismatch`);
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.utils.checkpoint
@@ -223,9 +224,15 @@ def sampling_warpers(gen: GenerationSection) -> Any:
 LOGPROB_CHUNK_ROWS = 128  # token positions per chunk of the warped log-softmax
 
 
-def response_logprobs(logits: Tensor, response_ids: Tensor, gen: GenerationSection) -> Tensor:
+def response_logprobs(
+    logits: Tensor,
+    response_ids: Tensor,
+    gen: GenerationSection,
+    support: Literal["sampled", "full"] = "sampled",
+) -> Tensor:
     """Log-probs (b, r) of the response tokens under the distribution the sampler drew them
-    from.
+    from (`support="sampled"`), or under the temperature-scaled softmax over the whole
+    vocabulary (`"full"`: top-k and top-p ignored, TRL's choice).
 
     logits (b, r, vocab) are the ones predicting each response token (`response_logits`). The
     sampler's warpers decide, without gradient, which tokens each row keeps (the sampled token
@@ -243,7 +250,7 @@ def response_logprobs(logits: Tensor, response_ids: Tensor, gen: GenerationSecti
             flat_logits[start : start + LOGPROB_CHUNK_ROWS],
             flat_ids[start : start + LOGPROB_CHUNK_ROWS],
         )
-        keep = sampler_support(rows, ids, gen)
+        keep = sampler_support(rows, ids, gen) if support == "sampled" else None
         if recompute:
             chunks.append(torch.utils.checkpoint.checkpoint(
                 _kept_logprobs, rows, ids, keep, temperature, use_reentrant=False

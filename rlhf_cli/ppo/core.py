@@ -20,6 +20,10 @@ References
 - [Huang] Huang et al. 2023, "The N Implementation Details of RLHF with PPO".
 - [TRL] TRL's old ``ppo_trainer.py`` / ``core.py`` (``masked_whiten``,
   ``compute_advantages``, ``loss``, ``AdaptiveKLController``).
+- [DAPO] Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale":
+  token-level loss (eq. 8), clip-higher (sec. 3.1).
+- [Dr. GRPO] Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
+  sec. 3.1: the per-sequence length normalisation replaced by a constant.
 """
 
 from __future__ import annotations
@@ -218,11 +222,11 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator:
 def kl_penalized_rewards(
     scores: Tensor,
     logprobs: Tensor,
-    ref_logprobs: Tensor,
+    ref_logprobs: Tensor | None,
     mask: Tensor,
     kl_coef: float,
     estimator: str = "k1",
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor | None]:
     """Per-token rewards: KL penalty plus the score on the last token. [Ziegler, Huang, TRL]
 
     ``rewards = -kl_coef * kl_estimate(..., estimator)`` and ``scores[i]`` is added at the
@@ -233,18 +237,25 @@ def kl_penalized_rewards(
     Args:
         scores: ``(b,)`` reward-model scores, one per response.
         logprobs: ``(b, response_len)`` log-probs of the policy.
-        ref_logprobs: ``(b, response_len)`` log-probs of the reference model.
+        ref_logprobs: ``(b, response_len)`` log-probs of the reference model, or None when no
+            reference ran (β = 0, a no-KL run): the rewards are then the scores alone.
         mask: ``(b, response_len)`` bool or 0/1, True = valid.
         kl_coef: KL penalty coefficient beta (0: the scores alone).
         estimator: the penalty's per-token estimator (``kl_estimate``).
 
     Returns:
-        ``(rewards, kl)``, both ``(b, response_len)``, 0 at masked positions.
+        ``(rewards, kl)``, both ``(b, response_len)``, 0 at masked positions; ``kl`` is None
+        without ``ref_logprobs``.
     """
     m = _bool_mask(mask)
-    kl = kl_estimate(logprobs, ref_logprobs, m, "k1")
-    penalty = kl if estimator == "k1" else kl_estimate(logprobs, ref_logprobs, m, estimator)
-    rewards = -kl_coef * penalty
+    if ref_logprobs is None:
+        if kl_coef != 0:
+            raise ValueError("a KL penalty (kl_coef != 0) needs the reference log-probs")
+        rewards, kl = torch.zeros_like(logprobs), None
+    else:
+        kl = kl_estimate(logprobs, ref_logprobs, m, "k1")
+        penalty = kl if estimator == "k1" else kl_estimate(logprobs, ref_logprobs, m, estimator)
+        rewards = -kl_coef * penalty
     idx, has_any = _last_valid_index(m)
     bonus = torch.where(has_any, scores.to(rewards.dtype), torch.zeros_like(rewards[:, 0]))
     rewards = rewards.scatter_add(1, idx.unsqueeze(1), bonus.unsqueeze(1))
@@ -314,6 +325,78 @@ def reinforce_pp_advantages(
 
 # --------------------------------------------------------------------------- losses
 
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def _check_aggregation(aggregation: str) -> None:
+    if aggregation not in LOSS_AGGREGATIONS:
+        raise ValueError(
+            f"unknown loss aggregation {aggregation!r}; one of {', '.join(LOSS_AGGREGATIONS)}"
+        )
+
+
+def aggregate_loss(
+    per_token: Tensor,
+    mask: Tensor,
+    aggregation: str = "token_mean",
+    norm_len: int | None = None,
+) -> Tensor:
+    """One scalar from a per-token loss, as ``aggregation`` weighs tokens and sequences. [verl
+    ``agg_loss``; TRL ``GRPOTrainer`` ``loss_type``]
+
+    With ``x`` the per-token loss, ``m`` the mask and i over the sequences with a valid token::
+
+        token_mean:               sum_it m_it x_it / sum_it m_it   [DAPO eq. 8; TRL dapo, bnpo]
+        seq_mean_token_mean:      mean_i (sum_t m_it x_it / sum_t m_it)   [GRPO eq. 3; TRL grpo]
+        seq_mean_token_sum_norm:  mean_i (sum_t m_it x_it / norm_len)     [Dr. GRPO; TRL dr_grpo]
+
+    ``token_mean`` weighs every token alike, so a long response weighs more; the sequence means
+    weigh every response alike, and ``seq_mean_token_mean`` gives each token of a short response
+    more weight than each of a long one (Dr. GRPO's length bias), which a constant
+    ``norm_len`` removes.
+
+    Args:
+        per_token: ``(b, response_len)`` per-token loss.
+        mask: ``(b, response_len)`` bool or 0/1, True = valid.
+        aggregation: one of ``LOSS_AGGREGATIONS``.
+        norm_len: the constant divisor of ``seq_mean_token_sum_norm`` (the longest response
+            the sampler may draw).
+
+    Returns:
+        Scalar tensor; 0 when nothing is valid.
+    """
+    _check_aggregation(aggregation)
+    m = _bool_mask(mask)
+    if aggregation == "token_mean":
+        return masked_mean(per_token, m)
+    per_sequence = torch.where(m, per_token, torch.zeros_like(per_token)).sum(dim=1)
+    if aggregation == "seq_mean_token_mean":
+        per_sequence = per_sequence / m.sum(dim=1).clamp(min=1)
+    elif aggregation == "seq_mean_token_sum_norm":
+        if not norm_len:
+            raise ValueError("seq_mean_token_sum_norm needs norm_len > 0")
+        per_sequence = per_sequence / norm_len
+    return masked_mean(per_sequence, m.any(dim=1))
+
+
+def aggregation_units(mask: Tensor, aggregation: str) -> Tensor:
+    """How many things ``aggregate_loss(..., mask, aggregation)`` averages over: the valid tokens
+    (``token_mean``) or the sequences with a valid token (the sequence means).
+
+    The loss of a global batch split between processes is each process's loss weighted by its
+    share of these units: ``sum_p units_p * loss_p / sum_p units_p``.
+
+    Args:
+        mask: ``(b, response_len)`` bool or 0/1, True = valid.
+        aggregation: one of ``LOSS_AGGREGATIONS``.
+
+    Returns:
+        Scalar float tensor.
+    """
+    _check_aggregation(aggregation)
+    m = _bool_mask(mask)
+    return (m.sum() if aggregation == "token_mean" else m.any(dim=1).sum()).float()
+
 
 def tis_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
     """Truncated importance-sampling weights ``min(exp(old_logprobs - sampler_logprobs), cap)``,
@@ -339,42 +422,58 @@ def ppo_policy_loss(
     mask: Tensor,
     cliprange: float,
     weights: Tensor | None = None,
+    cliprange_high: float | None = None,
+    aggregation: str = "token_mean",
+    norm_len: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Clipped surrogate policy loss. [PPO eq. 7, TRL ``loss``]
+    """Clipped surrogate policy loss. [PPO eq. 7, TRL ``loss``; DAPO sec. 3.1 clip-higher]
 
     ``ratio = exp(logprobs - old_logprobs)``;
-    ``loss = masked_mean(max(-A * ratio, -A * clamp(ratio, 1 - eps, 1 + eps)))``
-    (the negation of PPO's min objective).
+    ``loss = aggregate(max(-A * ratio, -A * clamp(ratio, 1 - eps_low, 1 + eps_high)))``
+    (the negation of PPO's min objective), ``eps_low = cliprange``, ``eps_high =
+    cliprange_high`` (``cliprange`` when None: the symmetric clip).
 
     Args:
         logprobs: ``(b, response_len)`` log-probs under the current policy.
         old_logprobs: ``(b, response_len)`` log-probs under the rollout policy.
         advantages: ``(b, response_len)`` advantages.
         mask: ``(b, response_len)`` bool or 0/1, True = valid.
-        cliprange: epsilon.
+        cliprange: epsilon (the lower one when ``cliprange_high`` is set).
         weights: ``(b, response_len)`` per-token weights of the surrogate (`tis_weights`), or
             None.
+        cliprange_high: the upper epsilon, or None.
+        aggregation, norm_len: how the per-token losses become one (``aggregate_loss``).
 
     Returns:
         ``(loss, clipfrac)`` scalar tensors; ``clipfrac`` is the share of valid
-        tokens where the clipped term is strictly the one taken.
+        tokens where the clipped term is strictly the one taken (a token mean whatever the
+        aggregation).
     """
+    high = cliprange if cliprange_high is None else cliprange_high
     ratio = torch.exp(logprobs - old_logprobs)
     pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
     per_token = torch.max(pg_losses, pg_losses2)
-    loss = masked_mean(per_token if weights is None else per_token * weights, mask)
+    if weights is not None:
+        per_token = per_token * weights
+    loss = aggregate_loss(per_token, mask, aggregation, norm_len)
     clipfrac = masked_mean((pg_losses2 > pg_losses).to(logprobs.dtype), mask)
     return loss, clipfrac
 
 
 def ppo_value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange_value: float
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    cliprange_value: float,
+    aggregation: str = "token_mean",
+    norm_len: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Clipped value loss and its clip fraction. [TRL ``loss``, Huang]
 
     ``values_clipped = old_values + clamp(values - old_values, -c, c)``;
-    ``loss = 0.5 * masked_mean(max((values - returns)^2, (values_clipped - returns)^2))``;
+    ``loss = 0.5 * aggregate(max((values - returns)^2, (values_clipped - returns)^2))``;
     ``clipfrac = masked_mean((values_clipped - returns)^2 > (values - returns)^2)``: the share of
     tokens where the clipped term is the one taken (TRL's ``vf_clipfrac``).
 
@@ -384,6 +483,7 @@ def ppo_value_loss(
         returns: ``(b, response_len)`` GAE returns.
         mask: ``(b, response_len)`` bool or 0/1, True = valid.
         cliprange_value: c.
+        aggregation, norm_len: how the per-token losses become one (``aggregate_loss``).
 
     Returns:
         (loss, clipfrac), scalar tensors.
@@ -393,7 +493,8 @@ def ppo_value_loss(
     )
     vf_losses1 = (values - returns) ** 2
     vf_losses2 = (values_clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+    per_token = torch.max(vf_losses1, vf_losses2)
+    loss = 0.5 * aggregate_loss(per_token, mask, aggregation, norm_len)
     return loss, masked_mean((vf_losses2 > vf_losses1).to(values.dtype), mask)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -79,18 +79,35 @@ def minibatch_rows(
     return [r[r % world == rank] // world for r in rows]
 
 
-def token_share(acc: Any, loss: Tensor, mask: Tensor) -> tuple[float, bool]:
-    """(this process's share of the global mini-batch's response tokens times the number of
-    processes, whether every process's loss is finite): one all-reduce.
+class Shares(NamedTuple):
+    """This process's part of a global mini-batch, each share times the number of processes: a
+    mean over this process's part, multiplied by its share, averages over the processes (as
+    DDP, DeepSpeed and FSDP average gradients) to the mean over the whole mini-batch."""
 
-    A loss that is a mean over this process's tokens, multiplied by the share, averages over
-    the processes (as DDP, DeepSpeed and FSDP average gradients) to the mean over all the
-    mini-batch's tokens: the loss and gradient one process would compute on the whole
-    mini-batch, whatever the split of tokens between processes."""
-    local = mask.sum().float().to(acc.device)
+    loss: float  # of the units `ppo.loss_aggregation` averages over (core.aggregation_units)
+    tokens: float  # of the response tokens (the token means logged: clip fractions, entropy)
+    all_finite: bool  # every process's loss is finite
+
+
+def minibatch_shares(acc: Any, loss: Tensor, mask: Tensor, aggregation: str) -> Shares:
+    """This process's `Shares` of the global mini-batch whose rows here have response `mask`
+    (b_mb, r) and loss `loss`: one all-reduce.
+
+    Weighted so, a loss aggregated as `aggregation` over this process's rows gives the loss and
+    gradient one process would compute on the whole mini-batch, whatever the split of tokens
+    and responses between processes (tests/unit/test_ppo_core.py checks each aggregation)."""
+    units = core.aggregation_units(mask, aggregation).to(acc.device)
+    tokens = mask.sum().float().to(acc.device)
     nonfinite = (~torch.isfinite(loss.detach())).float().to(acc.device)
-    tokens, bad = acc.reduce(torch.stack([local, nonfinite]), "sum").tolist()
-    return float(local) * acc.num_processes / max(tokens, 1.0), bad == 0
+    total_units, total_tokens, bad = acc.reduce(
+        torch.stack([units, tokens, nonfinite]), "sum"
+    ).tolist()
+    world = acc.num_processes
+    return Shares(
+        float(units) * world / max(total_units, 1.0),
+        float(tokens) * world / max(total_tokens, 1.0),
+        bad == 0,
+    )
 
 
 def gather_mean_std(acc: Any, x: Tensor) -> tuple[float, float]:

@@ -21,20 +21,20 @@ from rlhf_cli.tracking import MetricsWriter
 def iteration_metrics(
     acc: Any,
     rollout: Rollout,
-    kl: torch.Tensor,
+    kl: torch.Tensor | None,
     rewards: torch.Tensor,
     returns: torch.Tensor | None,
     kl_coef: float,
     stats: dict[str, float],
 ) -> dict[str, float]:
-    """The iteration's numbers over the global batch; the critic's when `returns` is given."""
+    """The iteration's numbers over the global batch; the critic's when `returns` is given, the
+    KL to the reference when `kl` is (no reference ran at β = 0)."""
     mask = rollout.response_mask
     reward_mean, reward_std = gather_mean_std(acc, rollout.scores)
     metrics = {
         "env/reward_mean": reward_mean,
         "env/reward_std": reward_std,
         "env/raw_score_mean": gather_mean_std(acc, rollout.raw_scores)[0],
-        "objective/kl": gather_mean_std(acc, kl.sum(1))[0],
         "objective/kl_coef": kl_coef,
         "objective/entropy": 0.0,
         "ppo/mean_non_score_reward": gather_mean_std(
@@ -46,6 +46,8 @@ def iteration_metrics(
             acc.reduce(torch.tensor(float(rollout.n_truncated), device=acc.device), "sum")
         ),
     }
+    if kl is not None:
+        metrics["objective/kl"] = gather_mean_std(acc, kl.sum(1))[0]
     if returns is not None:
         reduce_sum = global_sum(acc)
         metrics["ppo/val/explained_variance"] = float(
@@ -67,10 +69,8 @@ def finite(metrics: dict[str, float]) -> bool:
 
 
 def progress_info(metrics: dict[str, float]) -> str:
-    return (
-        f"reward {metrics['env/reward_mean']:+.3f}  kl {metrics['objective/kl']:.3f}  "
-        f"β {metrics['objective/kl_coef']:.4f}"
-    )
+    kl = f"kl {metrics['objective/kl']:.3f}  " if "objective/kl" in metrics else ""
+    return f"reward {metrics['env/reward_mean']:+.3f}  {kl}β {metrics['objective/kl_coef']:.4f}"
 
 
 @dataclass
@@ -87,7 +87,12 @@ class RunLogs:
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def record(
-        self, acc: Any, iteration: int, metrics: dict[str, float], rollout: Rollout, kl: Any
+        self,
+        acc: Any,
+        iteration: int,
+        metrics: dict[str, float],
+        rollout: Rollout,
+        kl: torch.Tensor | None,
     ) -> None:
         """metrics.jsonl and the trackers, the truncation warning, health rules, and every
         `log_every` iterations the console block and samples.jsonl."""
@@ -132,22 +137,23 @@ class RunLogs:
             ("Clip Fraction", "objective/clipfrac", ".4f"),
         ]
         for label, key, fmt in rows:
-            c.print(f"  {label + ':':<15}{format(m.get(key, float('nan')), fmt)}{mark(key)}")
+            value = format(m[key], fmt) if key in m else "—"  # none: no critic, or β = 0
+            c.print(f"  {label + ':':<15}{value}{mark(key)}")
         c.print(f"  Sample prompt:   {rollout.prompts[0][:60]}", markup=False)
         c.print(f"  Sample response: {rollout.texts[0][:120]}", markup=False)
 
-    def write_samples(self, iteration: int, rollout: Rollout, kl: torch.Tensor) -> None:
-        """The guide: read 10 actual generated responses every so often."""
+    def write_samples(self, iteration: int, rollout: Rollout, kl: torch.Tensor | None) -> None:
+        """The guide: read 10 actual generated responses every so often (their KL to the
+        reference when it was measured)."""
         for i in range(min(10, len(rollout.prompts))):
-            self.samples.log(
-                {
-                    "prompt": rollout.prompts[i],
-                    "response": rollout.texts[i],
-                    "score": float(rollout.scores[i]),
-                    "kl": float(kl[i].sum()),
-                },
-                step=iteration,
-            )
+            sample = {
+                "prompt": rollout.prompts[i],
+                "response": rollout.texts[i],
+                "score": float(rollout.scores[i]),
+            }
+            if kl is not None:
+                sample["kl"] = float(kl[i].sum())
+            self.samples.log(sample, step=iteration)
 
     def close(self) -> None:
         self.writer.close()
@@ -155,20 +161,21 @@ class RunLogs:
 
 
 def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
-    """First-fifth vs last-fifth mean reward, the final KL and β, and the last held-out
-    evaluation's `eval/*` numbers."""
+    """First-fifth vs last-fifth mean reward, the final KL (when measured) and β, and the last
+    held-out evaluation's `eval/*` numbers."""
     if not history:
         return {}
     fifth = max(1, len(history) // 5)
     first = [h["env/reward_mean"] for h in history[:fifth]]
     last = [h["env/reward_mean"] for h in history[-fifth:]]
     evals = [h for h in history if "eval/reward_mean" in h]
+    measured = "objective/kl" in history[-1]  # no KL without a reference forward (β = 0)
     return {
         **({k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}),
+        **({"kl_final": history[-1]["objective/kl"]} if measured else {}),
         "iterations": history[-1]["iteration"],
         "reward_first_fifth": sum(first) / len(first),
         "reward_last_fifth": sum(last) / len(last),
-        "kl_final": history[-1]["objective/kl"],
         "kl_coef_final": history[-1]["objective/kl_coef"],
         "iteration_s_median": sorted(h["time/iteration_s"] for h in history)[len(history) // 2],
     }

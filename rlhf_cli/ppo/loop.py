@@ -25,9 +25,9 @@ from rlhf_cli.ppo.distributed import (
     global_rows,
     global_sum,
     minibatch_rows,
+    minibatch_shares,
     prompt_rows,
     scalar,
-    token_share,
 )
 from rlhf_cli.ppo.estimators import Batch, GlobalRows, estimator
 from rlhf_cli.ppo.logs import finite, iteration_metrics, progress_info, summarize
@@ -70,20 +70,25 @@ def train(run: PPORun, start_iteration: int = 0) -> dict[str, Any]:
     return summarize(logs.history)
 
 
-def run_iteration(run: PPORun, iteration: int) -> tuple[dict[str, float], Rollout, torch.Tensor]:
+def run_iteration(
+    run: PPORun, iteration: int
+) -> tuple[dict[str, float], Rollout, torch.Tensor | None]:
     """One PPO iteration: rollout, advantages, K epochs of updates, β update. Returns the
-    iteration's metrics, its rollout and the per-token KL (b, r) the rewards were shaped with."""
+    iteration's metrics, its rollout and the per-token KL (b, r) the rewards were shaped with
+    (None at β = 0, when no reference ran)."""
     cfg, acc, models, state = run.recipe.ppo, run.accelerator, run.models, run.state
     t0 = time.perf_counter()
+    kl_coef = state.kl_ctl.value  # β as it stands at this iteration
     # 1. Rollout: this process's prompts, answers (each row from its own seed), scores, old
-    #    log-probs, values, reference log-probs; in the precision of the update's forward.
+    #    log-probs, values, reference log-probs (none at β = 0: the KL would shape nothing);
+    #    in the precision of the update's forward.
     index = prompt_rows(acc, len(run.prompts), cfg.batch_size, cfg.num_generations, state.sampler)
     rows = range(acc.process_index, cfg.batch_size, acc.num_processes)  # global batch rows
     with acc.autocast(), models.engine.gathered(models.actor) as actor:
         models.generator.sync(actor.policy)  # a separate engine (vLLM) gets the latest weights
         rollout = collect_rollout(
             actor,
-            models.reference,
+            models.reference if kl_coef > 0 else None,
             models.scorer,
             models.generator,
             [run.prompts[i] for i in index],
@@ -93,8 +98,7 @@ def run_iteration(run: PPORun, iteration: int) -> tuple[dict[str, float], Rollou
             lambda x: acc.gather(x.to(acc.device)).cpu(),
             seeds=[row_seed(run.recipe.run.seed, iteration, row) for row in rows],
         )
-    # 2. Advantages from KL-shaped rewards (β as it stands at this iteration).
-    kl_coef = state.kl_ctl.value
+    # 2. Advantages from KL-shaped rewards.
     rewards, kl, advantages, returns = advantages_of(
         rollout, kl_coef, cfg, global_sum(acc), global_rows(acc)
     )
@@ -107,7 +111,7 @@ def run_iteration(run: PPORun, iteration: int) -> tuple[dict[str, float], Rollou
     metrics = iteration_metrics(
         acc, rollout, kl, rewards, returns if critic else None, kl_coef, stats
     )
-    if math.isfinite(metrics["objective/kl"]):
+    if math.isfinite(metrics.get("objective/kl", math.nan)):  # no KL measured at β = 0
         state.kl_ctl.update(metrics["objective/kl"], cfg.batch_size)
     n_tokens = float(acc.reduce(rollout.response_mask.sum().float(), "sum"))
     slowest = {
@@ -133,7 +137,8 @@ def ppo_update(
     `gradient_accumulation_steps` mini-batches (accelerate's `accumulate`, which drives
     DeepSpeed's boundary too); non-finite losses skip their mini-batch on every process.
     train() mode (gradient checkpointing needs it); dropout is 0 in every module (set at load).
-    Logged parts are token means over the global mini-batch."""
+    Logged parts are means over the global mini-batch: the `ppo/loss/*` ones aggregated as
+    `ppo.loss_aggregation` says, the others (clip fractions, entropy, approx-KL) token means."""
     cfg, acc, actor, state = run.recipe.ppo, run.accelerator, run.models.actor, run.state
     actor.train()
     stats: dict[str, list[float]] = defaultdict(list)
@@ -148,11 +153,11 @@ def ppo_update(
         for idx in shares:
             with acc.accumulate(actor):
                 loss, parts = minibatch_loss(cfg, actor, rollout, idx, advantages, returns, kl_coef)
-                share, all_finite = token_share(acc, loss, rollout.response_mask[idx])
-                if not all_finite:  # every process agrees, or the collectives would hang
+                part = minibatch_shares(acc, loss, rollout.response_mask[idx], cfg.loss_aggregation)
+                if not part.all_finite:  # every process agrees, or the collectives would hang
                     skipped += 1
                     continue
-                acc.backward(loss * share)
+                acc.backward(loss * part.loss)
                 if acc.sync_gradients:
                     stats["grad_norm"].append(
                         scalar(acc.clip_grad_norm_(params, cfg.max_grad_norm))
@@ -161,6 +166,7 @@ def ppo_update(
                     state.scheduler.step()
                     state.optimizer.zero_grad(set_to_none=True)
             for key, value in parts.items():
+                share = part.loss if key.startswith("ppo/loss/") else part.tokens
                 stats[key].append(value.item() * share)
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
     out["ppo/optimizer_steps"] = float(len(stats["grad_norm"]))
@@ -177,44 +183,49 @@ def minibatch_loss(
     returns: torch.Tensor,
     kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The PPO loss of rollouts `idx` (b_mb of them) under the current policy, and its parts,
-    each a mean over this process's response tokens: the clipped surrogate, the clipped value
-    loss (with a critic), the entropy bonus, and with `kl_in: loss` β × the KL estimate to the
-    reference (differentiable, GRPO's placement).
+    """The PPO loss of rollouts `idx` (b_mb of them) under the current policy, and its parts:
+    the clipped surrogate (`cliprange`, `cliprange_high`), the clipped value loss (with a
+    critic), the entropy bonus, and with `kl_in: loss` β × the KL estimate to the reference
+    (differentiable, GRPO's placement). Each loss term is aggregated over this process's rows
+    as `loss_aggregation` says (verl's `agg_loss` does the same for all its terms), so one
+    share weighs them all (`distributed.minibatch_shares`); the logged clip fractions, entropy
+    and approx-KL are token means.
 
-    Log-probs are those of the sampled distribution (generation.response_logprobs). The entropy
-    bonus stays out of the autograd graph when its coefficient is 0: at a 32k vocabulary it
-    would keep a (b_mb, r, vocab) tensor alive for nothing."""
+    Log-probs are those of `logprob_support` (generation.response_logprobs). The entropy bonus
+    stays out of the autograd graph when its coefficient is 0: at a 32k vocabulary it would
+    keep a (b_mb, r, vocab) tensor alive for nothing."""
     batch = rollout.select(idx)
     mask = batch["response_mask"]
+    how = {"aggregation": cfg.loss_aggregation, "norm_len": cfg.generation.max_new_tokens}
     logits, values = actor(batch["input_ids"], batch["attention_mask"], mask.shape[1])
-    logprobs = response_logprobs(logits, batch["response_ids"], cfg.generation)
+    logprobs = response_logprobs(logits, batch["response_ids"], cfg.generation, cfg.logprob_support)
     old, sampled, cap = rollout.logprobs[idx], rollout.sampler_logprobs, cfg.generation.tis_cap
     weights = None  # truncated importance sampling against the rollout engine's numerics
     if cap is not None and sampled is not None:
-        weights = core.tis_weights(old, sampled[idx].to(old.device), cap)
+        weights = core.tis_weights(rollout.warped_logprobs[idx], sampled[idx].to(old.device), cap)
     pg_loss, clipfrac = core.ppo_policy_loss(
-        logprobs, old, advantages[idx], mask, cfg.cliprange, weights
+        logprobs, old, advantages[idx], mask, cfg.cliprange, weights, cfg.cliprange_high, **how
     )
     with nullcontext() if cfg.entropy_coef > 0 else torch.no_grad():
         scaled = logits.float() / score_temperature(cfg.generation)  # the full distribution
-        entropy = core.masked_mean(core.entropy_from_logits(scaled), mask)
-    loss = pg_loss - cfg.entropy_coef * entropy
+        entropy = core.entropy_from_logits(scaled)
+    loss = pg_loss - cfg.entropy_coef * core.aggregate_loss(entropy, mask, **how)
     parts = {
         "ppo/loss/policy": pg_loss,
         "objective/clipfrac": clipfrac,
-        "ppo/policy/entropy": entropy,
+        "ppo/policy/entropy": core.masked_mean(entropy, mask),
         "ppo/policy/approxkl": core.approx_kl(logprobs, old, mask),
     }
     if estimator(cfg.advantage_estimator).needs_critic:
         vf_loss, parts["ppo/val/clipfrac"] = core.ppo_value_loss(
-            values, rollout.values[idx], returns[idx], mask, cfg.cliprange_value
+            values, rollout.values[idx], returns[idx], mask, cfg.cliprange_value, **how
         )
         loss = loss + cfg.vf_coef * vf_loss
         parts["ppo/loss/value"] = vf_loss
-    if cfg.kl_in == "loss":
+    if cfg.kl_in == "loss" and rollout.ref_logprobs is not None:  # none ran at β = 0
         ref = rollout.ref_logprobs[idx]
-        kl_loss = core.masked_mean(core.kl_estimate(logprobs, ref, mask, cfg.kl_estimator), mask)
+        kl = core.kl_estimate(logprobs, ref, mask, cfg.kl_estimator)
+        kl_loss = core.aggregate_loss(kl, mask, **how)
         loss = loss + kl_coef * kl_loss
         parts["ppo/loss/kl"] = kl_loss
     parts["ppo/loss/total"] = loss
@@ -232,7 +243,7 @@ def advantages_of(
     `kl_in: reward`, whitened when `whiten_rewards`), then the estimator's advantages
     (estimators.py). Statistics are the global batch's (`reduce_sum` sums over processes,
     `across` sees every row). Returns (rewards, k1 KL per token, advantages, returns); returns
-    are 0 without a critic."""
+    are 0 without a critic; the KL is None when no reference ran (β = 0)."""
     mask = rollout.response_mask
     beta = kl_coef if cfg.kl_in == "reward" else 0.0
     rewards, kl = core.kl_penalized_rewards(

@@ -6,12 +6,15 @@ The details that decide whether PPO works (Huang et al. 2023, "The N implementat
 - the score goes on the last real response token, never on a pad after it (core.py);
 - the policy, value and reference passes see generation's left-padded positions and score
   tokens under the distribution the sampler drew them from: temperature, top-k and top-p as
-  the recipe sets them (generation.py); `logprob_mismatch` measures how well that holds.
+  the recipe sets them (generation.py), or with `ppo.logprob_support: full` under the
+  temperature-only one; `logprob_mismatch` measures how well the training forward reproduces
+  the sampler, in the sampler's distribution whichever the loss uses.
 """
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,8 +36,9 @@ class Rollout(Generations):
 
     scores: Tensor  # (b,) reward-model scores (after penalties / clipping)
     raw_scores: Tensor  # (b,) as the reward model gave them
-    logprobs: Tensor  # policy at rollout time (the "old" log-probs)
-    ref_logprobs: Tensor
+    logprobs: Tensor  # policy at rollout time (the "old" log-probs), in `ppo.logprob_support`
+    warped_logprobs: Tensor  # the same under the sampler's own distribution (top-k, top-p)
+    ref_logprobs: Tensor | None  # None: no reference forward ran (β = 0)
     values: Tensor
     prompts: list[str]
     n_truncated: int = 0
@@ -75,7 +79,7 @@ def shaped_scores(
 @torch.inference_mode()
 def collect_rollout(
     actor: PolicyAndValue,
-    reference: Reference,
+    reference: Reference | None,
     scorer: RewardScorer,
     generator: Generator,
     prompts: list[str],
@@ -86,7 +90,8 @@ def collect_rollout(
     seeds: list[int] | None = None,
 ) -> Rollout:
     """Generate (each row from its seed in `seeds`, when given), score and evaluate one batch
-    of prompts (b = len(prompts))."""
+    of prompts (b = len(prompts)). Without `reference` (β = 0: the KL would shape nothing) no
+    reference forward runs and `ref_logprobs` is None."""
     device = next(actor.parameters()).device
     timings: dict[str, float] = {}
     actor.eval()
@@ -102,28 +107,41 @@ def collect_rollout(
     scores = shaped_scores(raw_scores, answers.ended, cfg, moments, gather)
     timings["time/score_s"] = time.perf_counter() - start
 
-    # 3. Old log-probs and values (one pass), reference log-probs (adapter off), each under the
-    #    distribution the sampler drew from.
+    # 3. Old log-probs and values (one pass), reference log-probs (adapter off), each under
+    #    `logprob_support`; the old ones also under the sampler's distribution, which is what the
+    #    sampler's own log-probs are checked against.
     start = time.perf_counter()
     input_ids, attention_mask = answers.input_ids, answers.attention_mask
-    parts: dict[str, list[Tensor]] = {"logprobs": [], "values": [], "ref_logprobs": []}
+    support = cfg.logprob_support
+    parts: dict[str, list[Tensor]] = defaultdict(list)
     width, step = answers.response_ids.shape[1], cfg.mini_batch_size
     for s in range(0, len(prompts), step):
         ids, mask = input_ids[s : s + step], attention_mask[s : s + step]
         resp = answers.response_ids[s : s + step]
         logits, values = actor(ids, mask, width)
-        parts["logprobs"].append(response_logprobs(logits, resp, cfg.generation))
+        parts["logprobs"].append(response_logprobs(logits, resp, cfg.generation, support))
+        parts["warped_logprobs"].append(
+            parts["logprobs"][-1]
+            if support == "sampled"
+            else response_logprobs(logits, resp, cfg.generation)
+        )
         parts["values"].append(values)
-        with reference.model() as ref:
-            ref_logits = response_logits(ref, ids, mask, width)
-        parts["ref_logprobs"].append(response_logprobs(ref_logits, resp, cfg.generation))
-        del logits, ref_logits
+        if reference is not None:
+            with reference.model() as ref:
+                ref_logits = response_logits(ref, ids, mask, width)
+            parts["ref_logprobs"].append(
+                response_logprobs(ref_logits, resp, cfg.generation, support)
+            )
+            del ref_logits
+        del logits
     timings["time/logprobs_s"] = time.perf_counter() - start
+    tensors = {k: torch.cat(v) for k, v in parts.items()}
     return Rollout(
         **vars(answers),
         scores=scores.to(device),
         raw_scores=raw_scores.to(device),
-        **{k: torch.cat(v) for k, v in parts.items()},
+        ref_logprobs=tensors.pop("ref_logprobs", None),
+        **tensors,
         prompts=prompts,
         n_truncated=n_truncated,
         timings=timings,
@@ -131,9 +149,11 @@ def collect_rollout(
 
 
 def logprob_mismatch(rollout: Rollout) -> float:
-    """Largest |log-prob as the sampler drew the token - log-prob of the training forward| over
-    the batch's response tokens (0 when the backend records none)."""
+    """Largest |log-prob as the sampler drew the token - log-prob of the training forward under
+    the same distribution| over the batch's response tokens (0 when the backend records
+    none)."""
     if rollout.sampler_logprobs is None or not rollout.response_mask.any():
         return 0.0
-    diff = (rollout.sampler_logprobs.to(rollout.logprobs.device) - rollout.logprobs).abs()
+    old = rollout.warped_logprobs
+    diff = (rollout.sampler_logprobs.to(old.device) - old).abs()
     return float(diff[rollout.response_mask].max())

@@ -7,10 +7,10 @@ The recipe samples (the tiny recipe's top-p 0.9), updates on two mini-batches pe
 (accumulation) for two epochs. Tolerance: each rollout row samples from its own seed
 (`generation.SeededGumbel`), so both layouts generate the same responses; the update splits the
 same global mini-batches over the processes (`distributed.minibatch_rows`) and weights each
-process's loss by its share of the tokens (`distributed.token_share`), so what remains is float32
-summation order (about 1e-7 relative per reduction). rtol 1e-4 / atol 1e-5 is the tolerance the
-one-process resume test uses, and far below what a wrong reduction gives (a per-process token
-mean moved grad_norm by 4% here).
+process's loss by its share of the tokens (`distributed.minibatch_shares`), so what remains is
+float32 summation order (about 1e-7 relative per reduction). rtol 1e-4 / atol 1e-5 is the
+tolerance the one-process resume test uses, and far below what a wrong reduction gives (a
+per-process token mean moved grad_norm by 4% here).
 """
 
 from __future__ import annotations

@@ -89,6 +89,39 @@ def test_a_token_the_nucleus_no_longer_holds_keeps_a_finite_logprob():
     assert_close(lp, torch.tensor([[math.log(0.03 / 0.93)]]))
 
 
+def test_full_support_ignores_top_p_and_keeps_the_temperature_by_hand():
+    # probs 0.4, 0.3, 0.2, 0.07, 0.03, token 1, top-p 0.8.
+    # T = 1: sampled support {0.4, 0.3, 0.2} -> 0.3 / 0.9; full -> 0.3
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.07, 0.03])
+    logits, token = probs.log().view(1, 1, 5), torch.tensor([[1]])
+    gen = GenerationSection(temperature=1.0, top_p=0.8)
+    assert_close(response_logprobs(logits, token, gen), torch.tensor([[math.log(0.3 / 0.9)]]))
+    assert_close(response_logprobs(logits, token, gen, "full"), torch.tensor([[math.log(0.3)]]))
+    # T = 2: softmax(log p / 2) is proportional to sqrt(p): roots 0.63246, 0.54772, 0.44721,
+    # 0.26458, 0.17321, sum 2.06518 -> full p(1) = 0.54772 / 2.06518 = 0.26522. Sampled: the
+    # tempered probs ascending are 0.08387, 0.12811, ...; cumulative 0.08387 <= 1 - 0.8 is cut,
+    # 0.21198 is not: support without token 4, p(1) = 0.54772 / 1.89197 = 0.28950
+    gen = GenerationSection(temperature=2.0, top_p=0.8)
+    full = response_logprobs(logits, token, gen, "full")
+    assert_close(full, torch.tensor([[math.log(0.26522)]]), atol=1e-4, rtol=0)
+    sampled = response_logprobs(logits, token, gen)
+    assert_close(sampled, torch.tensor([[math.log(0.28950)]]), atol=1e-4, rtol=0)
+
+
+def test_only_the_full_support_gives_tokens_outside_the_nucleus_a_gradient():
+    # d log p(0) / d z_j = 1[j = 0] - p_j. Full: dz_4 = -0.03. Sampled (top-p 0.8 keeps tokens
+    # 0, 1, 2): tokens 3 and 4 are outside the softmax, no gradient; dz_1 = -0.3 / 0.9
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.07, 0.03])
+    gen = GenerationSection(temperature=1.0, top_p=0.8)
+    grads = {}
+    for support in ("sampled", "full"):
+        logits = probs.log().view(1, 1, 5).requires_grad_()
+        response_logprobs(logits, torch.tensor([[0]]), gen, support).sum().backward()
+        grads[support] = logits.grad.view(5)
+    assert_close(grads["full"], torch.tensor([0.6, -0.3, -0.2, -0.07, -0.03]))
+    assert_close(grads["sampled"], torch.tensor([1 - 0.4 / 0.9, -0.3 / 0.9, -0.2 / 0.9, 0, 0]))
+
+
 @pytest.fixture
 def tiny_lm(llama_config):
     """The tiny tokenizer and a 1-layer random Llama over its vocabulary."""

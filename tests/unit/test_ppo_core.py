@@ -12,6 +12,8 @@ from rlhf_cli.generation import logprobs_from_logits
 from rlhf_cli.ppo.core import (
     AdaptiveKLController,
     FixedKLController,
+    aggregate_loss,
+    aggregation_units,
     approx_kl,
     compute_gae,
     entropy_from_logits,
@@ -241,6 +243,17 @@ def test_kl_penalized_rewards_all_masked_row_gets_nothing() -> None:
     assert_close(kl, t([0.5, -1.0], [0.0, 0.0]))
 
 
+def test_without_a_reference_the_rewards_are_the_scores_alone() -> None:
+    # a no-KL run (β = 0) computes no reference log-probs: the score on the last valid token
+    logprobs = t([-1.0, -2.0, -0.5], [-1.0, -5.0, -1.3])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    rewards, kl = kl_penalized_rewards(t([2.0, -1.0])[0], logprobs, None, mask, kl_coef=0.0)
+    assert kl is None
+    assert_close(rewards, t([0.0, 2.0, 0.0], [0.0, 0.0, -1.0]))
+    with pytest.raises(ValueError, match="reference"):
+        kl_penalized_rewards(t([2.0, -1.0])[0], logprobs, None, mask, kl_coef=0.1)
+
+
 # --------------------------------------------------------------------------- policy loss
 
 
@@ -303,6 +316,119 @@ def test_policy_loss_clipfrac_is_share_of_tokens() -> None:
     loss, clipfrac = ppo_policy_loss(logprobs, old, adv, mask, 0.2)
     assert_close(loss, scalar(-3.8 / 3.0))
     assert_close(clipfrac, scalar(2.0 / 3.0))
+
+
+def test_clip_higher_widens_only_the_upper_bound() -> None:
+    # tokens (r, A): (1.25, +1), (0.7, -1), (1.3, +1); eps_low 0.2
+    # symmetric [0.8, 1.2]: max(-1.25, -1.2) = -1.2 clipped; max(0.7, 0.8) = 0.8 clipped;
+    #   max(-1.3, -1.2) = -1.2 clipped -> loss (-1.2 + 0.8 - 1.2) / 3 = -1.6 / 3, clipfrac 1
+    # clip-higher [0.8, 1.28]: 1.25 inside -> -1.25 unclipped; 0.8 clipped (the low side is
+    #   unchanged); max(-1.3, -1.28) = -1.28 clipped -> loss -1.73 / 3, clipfrac 2/3
+    logprobs = torch.log(t([1.25, 0.7, 1.3])).requires_grad_()
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    adv, mask = t([1.0, -1.0, 1.0]), torch.ones(1, 3, dtype=torch.bool)
+    loss, clipfrac = ppo_policy_loss(logprobs, old, adv, mask, 0.2)
+    assert_close(loss, scalar(-1.6 / 3.0))
+    assert_close(clipfrac, scalar(1.0))
+    loss, clipfrac = ppo_policy_loss(logprobs, old, adv, mask, 0.2, cliprange_high=0.28)
+    assert_close(loss, scalar(-1.73 / 3.0))
+    assert_close(clipfrac, scalar(2.0 / 3.0))
+    # only the unclipped token moves the policy: d(-A r)/dlogp = -A r = -1.25, over 3 tokens
+    loss.backward()
+    assert_close(logprobs.grad, t([-1.25 / 3.0, 0.0, 0.0]))
+
+
+# --------------------------------------------------------------------------- loss aggregation
+
+# rows: [1, 2, 3] (3 tokens), [4] (1 token), all masked (no sequence)
+AGG_X = t([1.0, 2.0, 3.0, BIG], [4.0, BIG, BIG, BIG], [BIG, BIG, BIG, BIG])
+
+
+@pytest.mark.parametrize(
+    "aggregation, expected, units",
+    [
+        ("token_mean", (1 + 2 + 3 + 4) / 4, 4),  # every token alike
+        ("seq_mean_token_mean", (2.0 + 4.0) / 2, 2),  # row means 6/3 and 4/1
+        ("seq_mean_token_sum_norm", (6 / 4 + 4 / 4) / 2, 2),  # row sums over norm_len 4
+    ],
+)
+def test_loss_aggregations_by_hand(aggregation: str, expected: float, units: int) -> None:
+    assert_close(aggregate_loss(AGG_X, M, aggregation, norm_len=4), scalar(expected))
+    assert aggregation_units(M, aggregation).item() == units
+
+
+def test_loss_aggregation_errors_and_empty_batch() -> None:
+    with pytest.raises(ValueError, match="norm_len"):
+        aggregate_loss(AGG_X, M, "seq_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregate_loss(AGG_X, M, "seq_sum")
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregation_units(M, "seq_sum")
+    nothing = torch.zeros_like(M)
+    for aggregation in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
+        assert aggregate_loss(AGG_X, nothing, aggregation, norm_len=4).item() == 0.0
+
+
+def test_the_losses_aggregate_their_per_token_terms() -> None:
+    # rows [A 1, 1, 1] and [A 4]; ratio 1 everywhere: per-token policy loss -A
+    # token_mean -(1 + 1 + 1 + 4) / 4 = -1.75; seq_mean_token_mean -(1 + 4) / 2 = -2.5;
+    # seq_mean_token_sum_norm (norm 4) -(3/4 + 4/4) / 2 = -0.875
+    zeros = torch.zeros(2, 3, dtype=torch.float64)
+    adv, mask = t([1.0, 1.0, 1.0], [4.0, BIG, BIG]), torch.tensor([[1, 1, 1], [1, 0, 0]])
+    # values 0, returns as adv, inside the clip: per-token value loss adv^2, halved
+    # token_mean 0.5 (1 + 1 + 1 + 16) / 4 = 2.375; seq_mean 0.5 (1 + 16) / 2 = 4.25;
+    # sum_norm 0.5 (3/4 + 16/4) / 2 = 1.1875
+    for aggregation, policy, value in [
+        ("token_mean", -1.75, 2.375),
+        ("seq_mean_token_mean", -2.5, 4.25),
+        ("seq_mean_token_sum_norm", -0.875, 1.1875),
+    ]:
+        how = {"aggregation": aggregation, "norm_len": 4}
+        loss, _ = ppo_policy_loss(zeros, zeros, adv, mask, 0.2, **how)
+        assert_close(loss, scalar(policy))
+        loss, _ = ppo_value_loss(zeros, zeros, adv, mask, 100.0, **how)
+        assert_close(loss, scalar(value))
+
+
+# a global mini-batch of four responses: [1, 2, 3], [5], [4], [0]; norm_len 3
+#   token_mean (1 + 2 + 3 + 5 + 4 + 0) / 6 = 2.5
+#   seq_mean_token_mean (2 + 5 + 4 + 0) / 4 = 2.75
+#   seq_mean_token_sum_norm (6/3 + 5/3 + 4/3 + 0/3) / 4 = 1.25
+GLOBAL_X = t([1.0, 2.0, 3.0], [5.0, BIG, BIG], [4.0, BIG, BIG], [0.0, BIG, BIG])
+GLOBAL_M = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]], dtype=torch.bool)
+GLOBAL = {"token_mean": 2.5, "seq_mean_token_mean": 2.75, "seq_mean_token_sum_norm": 1.25}
+
+
+@pytest.mark.parametrize("aggregation", list(GLOBAL))
+@pytest.mark.parametrize("split", [([0, 1], [2, 3]), ([0], [1, 2, 3]), ([1, 2, 3], [0])])
+def test_processes_holding_different_token_counts_give_the_global_loss(aggregation, split):
+    """Each process aggregates its rows; weighted by `minibatch_shares` and averaged (as DDP
+    averages gradients) the loss and its gradient are the global mini-batch's."""
+    from types import SimpleNamespace
+
+    from rlhf_cli.ppo.distributed import minibatch_shares
+
+    x = GLOBAL_X.clone().requires_grad_()
+    parts = [(x[rows], GLOBAL_M[rows]) for rows in split]
+    # what the all-reduce returns on either process: both processes' units, tokens, non-finite
+    total = sum(
+        torch.stack([aggregation_units(ms, aggregation), ms.sum().float(), torch.tensor(0.0)])
+        for _, ms in parts
+    )
+    acc = SimpleNamespace(num_processes=2, device="cpu", reduce=lambda tensor, op: total)
+    averaged, logged = scalar(0.0), scalar(0.0)
+    for xs, ms in parts:
+        loss = aggregate_loss(xs, ms, aggregation, norm_len=3)
+        share = minibatch_shares(acc, loss, ms, aggregation)
+        assert share.all_finite
+        averaged = averaged + loss * share.loss / 2  # DDP averages over the 2 processes
+        # the token share weighs the logged token means (clip fractions, entropy) alike
+        logged = logged + masked_mean(xs, ms) * share.tokens / 2
+    assert_close(averaged, scalar(GLOBAL[aggregation]))
+    whole_x = GLOBAL_X.clone().requires_grad_()
+    whole = aggregate_loss(whole_x, GLOBAL_M, aggregation, norm_len=3)
+    assert_close(torch.autograd.grad(averaged, x)[0], torch.autograd.grad(whole, whole_x)[0])
+    assert_close(logged, scalar(2.5))
 
 
 # --------------------------------------------------------------------------- value loss

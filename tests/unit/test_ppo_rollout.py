@@ -115,6 +115,49 @@ def test_missing_eos_penalty_hits_only_responses_that_never_end(stop_on_anything
     assert_close(rollout.raw_scores, torch.ones(4))
 
 
+@pytest.mark.parametrize("support", ["sampled", "full"])
+def test_the_mismatch_check_keeps_the_samplers_distribution_whatever_the_support(
+    llama_config, support
+):
+    """With `logprob_support: full` the old and reference log-probs are the temperature-only
+    softmax's, below the nucleus's renormalised ones by log(1 / nucleus mass); the mismatch
+    still compares the sampler with the training forward under the sampler's distribution,
+    so it stays float noise with either support."""
+    from rlhf_cli.generation import HFGenerator
+    from rlhf_cli.modeling import Reference, load_tokenizer
+    from rlhf_cli.ppo.rollout import collect_rollout, logprob_mismatch
+    from rlhf_cli.recipe import GenerationSection, PpoSection
+
+    tokenizer = load_tokenizer("builtin:tiny-lm")
+    torch.manual_seed(0)
+    config = llama_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    policy = LlamaForCausalLM(config).eval()
+    cfg = PpoSection(
+        batch_size=4,
+        mini_batch_size=2,
+        gradient_accumulation_steps=1,
+        logprob_support=support,
+        generation=GenerationSection(max_new_tokens=6, temperature=1.0, top_p=0.8),
+    )
+    rollout = collect_rollout(
+        PolicyAndValue(policy, value_head=zero_value_head(32)),
+        Reference(policy, frozen_copy=policy),
+        _ConstantScorer(),
+        HFGenerator(policy, tokenizer, [tokenizer.eos_token_id]),
+        ["p"] * 4,
+        [tokenizer("hello there friend")["input_ids"]] * 4,
+        cfg,
+    )
+    mask = rollout.response_mask
+    assert logprob_mismatch(rollout) < 1e-4
+    gap = (rollout.warped_logprobs - rollout.logprobs)[mask]
+    if support == "sampled":
+        assert torch.equal(gap, torch.zeros_like(gap))
+    else:  # top-p 0.8 cuts up to a fifth of the mass: gaps in [0, log 1.25 = 0.22]
+        assert (gap >= -1e-6).all() and (gap <= 0.2232).all() and gap.max() > 0.05
+    assert_close(rollout.ref_logprobs, rollout.logprobs)  # the same weights, the same support
+
+
 def test_scores_are_penalised_then_normalised_then_clipped():
     from rlhf_cli.ppo.core import RunningMoments
     from rlhf_cli.ppo.rollout import shaped_scores

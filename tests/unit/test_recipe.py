@@ -195,6 +195,27 @@ def test_embedded_default_recipe_validates(repo_root: Path) -> None:
             15,
             "not both",
         ),
+        (
+            "  gradient_accumulation_steps: 2\n",
+            "  gradient_accumulation_steps: 2\n  loss_aggregation: dapo\n",
+            "ppo.loss_aggregation",
+            20,
+            "'token_mean', 'seq_mean_token_mean' or 'seq_mean_token_sum_norm'",
+        ),
+        (
+            "  gradient_accumulation_steps: 2\n",
+            "  gradient_accumulation_steps: 2\n  logprob_support: nucleus\n",
+            "ppo.logprob_support",
+            20,
+            "'sampled' or 'full'",
+        ),
+        (
+            "  gradient_accumulation_steps: 2\n",
+            "  gradient_accumulation_steps: 2\n  cliprange_high: 0\n",
+            "ppo.cliprange_high",
+            20,
+            "greater than 0",
+        ),
     ],
     ids=[
         "unknown-key",
@@ -204,6 +225,9 @@ def test_embedded_default_recipe_validates(repo_root: Path) -> None:
         "grad-accum",
         "missing-file",
         "two-reward-sources",
+        "loss-aggregation",
+        "logprob-support",
+        "cliprange-high",
     ],
 )
 def test_each_problem_names_its_field_and_line(
