@@ -68,6 +68,16 @@ def test_value_head_starts_at_zero(tiny_actor):
     assert torch.count_nonzero(values) == 0
 
 
+def tiny_vocab_policy(llama_config) -> tuple[object, LlamaForCausalLM]:
+    """The tiny tokenizer and a seeded small Llama over its vocabulary."""
+    from rlhf_cli.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin:tiny-lm")
+    torch.manual_seed(0)
+    config = llama_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    return tokenizer, LlamaForCausalLM(config)
+
+
 class _ConstantScorer:
     """Scores every response 1.0, so the penalty is all that changes a score."""
 
@@ -124,14 +134,12 @@ def test_the_mismatch_check_keeps_the_samplers_distribution_whatever_the_support
     still compares the sampler with the training forward under the sampler's distribution,
     so it stays float noise with either support."""
     from rlhf_cli.generation import HFGenerator
-    from rlhf_cli.modeling import Reference, load_tokenizer
+    from rlhf_cli.modeling import Reference
     from rlhf_cli.ppo.rollout import collect_rollout, logprob_mismatch
     from rlhf_cli.recipe import GenerationSection, PpoSection
 
-    tokenizer = load_tokenizer("builtin:tiny-lm")
-    torch.manual_seed(0)
-    config = llama_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    policy = LlamaForCausalLM(config).eval()
+    tokenizer, policy = tiny_vocab_policy(llama_config)
+    policy.eval()
     cfg = PpoSection(
         batch_size=4,
         mini_batch_size=2,
@@ -184,15 +192,12 @@ def test_entropy_enters_the_graph_only_when_it_is_in_the_loss(llama_config, entr
     """At entropy_coef 0 the entropy is measured without autograd: a (b, r, vocab) softmax is
     not kept for a backward pass that would multiply it by 0."""
     from rlhf_cli.generation import HFGenerator
-    from rlhf_cli.modeling import Reference, load_tokenizer
+    from rlhf_cli.modeling import Reference
     from rlhf_cli.ppo.loop import minibatch_loss
     from rlhf_cli.ppo.rollout import collect_rollout
     from rlhf_cli.recipe import GenerationSection, PpoSection
 
-    tokenizer = load_tokenizer("builtin:tiny-lm")
-    torch.manual_seed(0)
-    config = llama_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    policy = LlamaForCausalLM(config)
+    tokenizer, policy = tiny_vocab_policy(llama_config)
     actor = PolicyAndValue(policy, value_head=zero_value_head(32))
     cfg = PpoSection(
         batch_size=2,
