@@ -138,6 +138,7 @@ def test_run_ppo_autocasts_half_precision_on_cuda_only(
 
     monkeypatch.setattr(accelerate, "Accelerator", fake_accelerator)
     monkeypatch.setattr(ppo, "pick_device", lambda name: torch.device(device))
+    monkeypatch.setattr(ppo, "warn_over_plan", lambda recipe, console: None)  # asks real CUDA
     recipe = recipe_for(bf16_lm, tmp_path)
     recipe = recipe.model_copy(update={"model": recipe.model.variant(dtype=dtype)})
     with pytest.raises(Stop):
