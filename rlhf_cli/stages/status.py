@@ -19,6 +19,8 @@ KEY_METRICS = {
     "merged": ("max_abs_logit_diff",),
     "push": ("files",),
 }
+# every stage's measured peak beside the plan's estimate (record.StageRecord writes them)
+MEMORY_METRICS = ("peak_memory_bytes", "peak_memory_kind", "planned_peak_bytes")
 PIPELINE = tuple(STAGE_COMMANDS)  # the stages in pipeline order
 
 
@@ -37,7 +39,7 @@ def stage_row(run: RunDir, stage: str) -> dict[str, Any]:
         "finished_at": manifest.get("finished_at"),
         "metrics": {
             k: manifest.get("metrics", {})[k]
-            for k in KEY_METRICS[stage]
+            for k in KEY_METRICS[stage] + MEMORY_METRICS
             if k in manifest.get("metrics", {})
         },
     }

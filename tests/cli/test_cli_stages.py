@@ -69,6 +69,13 @@ def test_train_rm_runs_without_sft(make_recipe, tmp_path: Path) -> None:
     assert manifest["status"] == "completed"
     assert (run / "rm" / "model" / "config.json").is_file()
     assert (tmp_path / "runs" / "LATEST").read_text().strip() == "tiny"
+    # rlhf status shows the stage's measured peak beside the plan's estimate
+    status = invoke("status", "--runs-dir", str(tmp_path / "runs"), "--json")
+    (rm,) = [row for row in json.loads(status.stdout)["stages"] if row["stage"] == "rm"]
+    assert rm["metrics"]["peak_memory_kind"] == "cpu_rss"
+    assert rm["metrics"]["peak_memory_bytes"] > rm["metrics"]["planned_peak_bytes"] > 0
+    table = invoke("status", "--runs-dir", str(tmp_path / "runs"))
+    assert " RSS / " in table.stdout
 
 
 def test_cli_busy_run_exits_2_naming_the_holder(make_recipe, tmp_path):
