@@ -796,8 +796,10 @@ def planned_stage_peak(recipe: Recipe, stage: str | None) -> int | None:
 
     if stage not in recipe_stages(recipe):
         return None
+    from rlhf_cli.modeling import resolve_dtype
+
     cuda = recipe.run.device != "cpu" and torch.cuda.is_available()
-    bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+    bf16 = cuda and resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     target = Target(cuda=cuda, bf16=bf16, processes=int(os.environ.get("WORLD_SIZE", "1")))
     try:
         configs = read_configs(recipe)
