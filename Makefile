@@ -58,7 +58,7 @@ demo-real: $(STAMP)
 	$(MAKE) demo RECIPE=recipes/smollm2-135m.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest --durations=15
+	$(PY) -m pytest -m "not minutes" --durations=15
 
 vllm-env: $(VLLM_STAMP)
 

@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ppo import ROOT, build_large, tiny_recipe_data  # noqa: E402
+from bench_ppo import ROOT, tiny_recipe_data  # noqa: E402
+
+from rlhf_cli.tiny import build_local_55m  # noqa: E402
 
 ENGINES = ("hf", "vllm")
 
@@ -180,7 +182,7 @@ def main() -> None:
     os.environ.setdefault("RLHF_CLI_CACHE", str(ROOT / ".cache" / "rlhf-cli"))
     runs = []
     with tempfile.TemporaryDirectory(prefix="rlhf-bench-gen-") as tmp:
-        model_dir = build_large(Path(tmp) / "local-55m")
+        model_dir = build_local_55m(Path(tmp) / "local-55m")
         for _ in range(args.rounds):
             for kind in ENGINES:
                 runs.append(spawn(kind, Path(tmp), model_dir, args))

@@ -1,10 +1,10 @@
 """`make bench`, second step: the memory of ONE PPO mini-batch update (forward + backward) with
 each memory change on and off → the `update_memory` key of bench/ppo.json.
 
-The model is bench_ppo.py's `local-55m` policy (LARGE, random weights) with a LoRA adapter and a
-shared zero-initialised value head, as PPO trains it, in train() mode; the loss is PPO's own
-(response_logprobs, clipped policy and value losses, entropy) on random token ids and random
-rollout tensors. The three changes:
+The model is bench_ppo.py's `local-55m` policy (rlhf_cli.tiny.LOCAL_55M_CONFIG, random weights)
+with a LoRA adapter and a shared zero-initialised value head, as PPO trains it, in train() mode;
+the loss is PPO's own (response_logprobs, clipped policy and value losses, entropy) on random
+token ids and random rollout tensors. The three changes:
 
 - `entropy_no_grad`: the entropy (a diagnostic when `ppo.entropy_coef` is 0) computed under
   no_grad (new) rather than inside the autograd graph (old);
@@ -55,17 +55,16 @@ MIB = 2**20
 
 
 def build_actor(vocab_size: int | None, checkpointing: bool) -> Any:
-    """bench_ppo's LARGE Llama (vocabulary: the tiny tokenizer's unless given), LoRA as PPO
-    puts it, a shared zero value head; in train() mode."""
+    """rlhf_cli.tiny's LOCAL_55M_CONFIG Llama (vocabulary: the tiny tokenizer's unless given),
+    LoRA as PPO puts it, a shared zero value head; in train() mode."""
     import torch
-    from bench_ppo import LARGE
     from peft import get_peft_model
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from rlhf_cli.modeling import lora_config
     from rlhf_cli.ppo.models import PolicyAndValue, hidden_size_of, zero_value_head
     from rlhf_cli.recipe import LoraSection
-    from rlhf_cli.tiny import tiny_lm_path
+    from rlhf_cli.tiny import LOCAL_55M_CONFIG, tiny_lm_path
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm_path())
     torch.manual_seed(0)
@@ -74,7 +73,7 @@ def build_actor(vocab_size: int | None, checkpointing: bool) -> Any:
             vocab_size=vocab_size or len(tokenizer),
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
-            **LARGE,
+            **LOCAL_55M_CONFIG,
         )
     )
     if checkpointing:

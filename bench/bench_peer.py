@@ -5,17 +5,17 @@ What is compared, per iteration (one batch of completions and its updates):
   losses, adaptive KL; reference = the policy with its LoRA adapter disabled);
 - theirs: TRL's `RLOOTrainer` (no critic: a leave-one-out baseline over `num_generations`
   completions of each prompt, KL as a reward penalty; reference = the adapter disabled too).
-Both get the same policy (a locally built ~55M-parameter Llama, `bench_ppo.build_large`: random
-weights, the tiny tokenizer and its chat template; float32 on the CPU; a fresh LoRA r=16 on the
-seven proj modules), the same prompts (data/tiny/prompts.jsonl through the recipe's filters, chat
-template with the generation prompt), the same reward (the MiniLM model `rlhf train-rm` trains on
-recipes/tiny.yaml, scoring "Human: {prompt}\\n\\nAssistant: {response}" with our RewardScorer),
+Both get the same policy (a locally built ~55M-parameter Llama, `rlhf_cli.tiny.build_local_55m`:
+random weights, the tiny tokenizer and its chat template; float32 on the CPU; a fresh LoRA r=16 on
+the seven proj modules), the same prompts (data/tiny/prompts.jsonl through the recipe's filters,
+chat template with the generation prompt), the same reward (the MiniLM model `rlhf train-rm` trains
+on recipes/tiny.yaml, scoring "Human: {prompt}\\n\\nAssistant: {response}" with our RewardScorer),
 `batch` completions per iteration (ours: `batch` prompts; TRL: batch / num_generations prompts ×
 num_generations) sampled at temperature 1.0, top_p 1.0, at most `max_new_tokens` new tokens, then
 `ppo_epochs` passes over them in mini-batches of `mini_batch` with one optimizer step each (TRL:
 per_device_train_batch_size = mini_batch, generation_batch_size = batch, num_iterations =
-ppo_epochs, gradient checkpointing off like ours): one of our iterations is
-(batch / mini_batch) × ppo_epochs TRL optimizer steps.
+ppo_epochs, gradient checkpointing off like ours): one of our iterations is (batch / mini_batch) ×
+ppo_epochs TRL optimizer steps.
 
 How: runs alternate ours, TRL, ours, TRL, ... (`--rounds` of each), each in its own subprocess,
 so its peak RSS (getrusage ru_maxrss) is its own. Ours: the median of time/iteration_s from
@@ -51,7 +51,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_ppo import LARGE, ROOT, build_large, recipe_for
+from bench_ppo import ROOT, recipe_for
+
+from rlhf_cli.tiny import LOCAL_55M_CONFIG, build_local_55m
 
 MARK = "BENCH-PEER-RESULT "
 REWARD_TEMPLATE = "Human: {prompt}\n\nAssistant: {response}"
@@ -537,8 +539,8 @@ def main() -> None:
 
             model, model_name = str(tiny_lm_path()), "builtin:tiny-lm (shipped, random weights)"
         else:
-            model = str(build_large(work / "local-55m"))
-            model_name = f"local Llama, bench_ppo.LARGE {LARGE}, random weights (seed 0)"
+            model = str(build_local_55m(work / "local-55m"))
+            model_name = f"local Llama {LOCAL_55M_CONFIG}, random weights (seed 0)"
         base = Settings(
             model=model,
             reward_model="",

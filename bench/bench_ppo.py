@@ -31,38 +31,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rlhf_cli.tiny import build_local_55m
+
 ROOT = Path(__file__).resolve().parent.parent
 SPLIT = ["time/rollout_s", "time/score_s", "time/logprobs_s", "time/update_s"]
-LARGE = dict(
-    hidden_size=640,
-    intermediate_size=1728,
-    num_hidden_layers=12,
-    num_attention_heads=10,
-    num_key_value_heads=5,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-)
-
-
-def build_large(folder: Path) -> Path:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from rlhf_cli.tiny import tiny_lm_path
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_lm_path())
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            **LARGE,
-        )
-    )
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def tiny_recipe_data(work: Path, run_name: str, iterations: int, recipe: str = "tiny.yaml") -> dict:
@@ -99,7 +71,7 @@ def recipe_for(name: str, work: Path, iterations: int) -> Path:
     if base != "tiny":
         data["run"]["name"] = f"bench-{name.replace('+', '-')}"
         if not real:
-            data["model"]["name_or_path"] = str(build_large(work / name.replace("+", "-")))
+            data["model"]["name_or_path"] = str(build_local_55m(work / name.replace("+", "-")))
         data["sft"]["enabled"] = False
         data["reward"] = {
             **data["reward"],

@@ -161,6 +161,19 @@ def _library_output(as_json: bool, quiet: bool = False) -> contextlib.AbstractCo
     return contextlib.redirect_stdout(sys.stderr) if as_json or quiet else contextlib.nullcontext()
 
 
+MEMORY_KEYS = ("peak_memory", "planned_peak")
+
+
+def _memory_cell(metrics: dict[str, Any]) -> str:
+    """`measured / planned` in GiB (the measurement's kind: CUDA-allocated or the CPU's RSS)."""
+    measured, planned = metrics.get("peak_memory_bytes"), metrics.get("planned_peak_bytes")
+    if measured is None:
+        return ""
+    kind = " RSS" if metrics.get("peak_memory_kind") == "cpu_rss" else ""
+    plan = fmt_gib(planned) if planned is not None else "—"
+    return f"{fmt_gib(measured)}{kind} / {plan}"
+
+
 def _emit(manifest: dict[str, Any], as_json: bool, quiet: bool, title: str) -> None:
     """A stage's manifest, with `dir` (its folder) added, as JSON or a table."""
     if as_json:
@@ -170,8 +183,12 @@ def _emit(manifest: dict[str, Any], as_json: bool, quiet: bool, title: str) -> N
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_row("status", manifest["status"])
     table.add_row("run dir", str(Path(manifest.get("dir", ""))))
-    for key, value in manifest.get("metrics", {}).items():
-        table.add_row(key, fmt_number(value))
+    metrics = manifest.get("metrics", {})
+    for key, value in metrics.items():
+        if not key.startswith(MEMORY_KEYS):
+            table.add_row(key, fmt_number(value))
+    if "peak_memory_bytes" in metrics:
+        table.add_row("peak memory / plan", _memory_cell(metrics))
     for warning in manifest.get("warnings", []):
         table.add_row("[yellow]warning[/]", warning)
     console.print(table)
@@ -493,19 +510,6 @@ def status(
         table.add_row(row["stage"], shown, row.get("finished_at") or "", memory, numbers)
     out.print(table)
     out.print(f"next: {result['next']}" if result["next"] else "next: nothing to run now")
-
-
-MEMORY_KEYS = ("peak_memory", "planned_peak")
-
-
-def _memory_cell(metrics: dict[str, Any]) -> str:
-    """`measured / planned` in GiB (the measurement's kind: CUDA-allocated or the CPU's RSS)."""
-    measured, planned = metrics.get("peak_memory_bytes"), metrics.get("planned_peak_bytes")
-    if measured is None:
-        return ""
-    kind = " RSS" if metrics.get("peak_memory_kind") == "cpu_rss" else ""
-    plan = fmt_gib(planned) if planned is not None else "—"
-    return f"{fmt_gib(measured)}{kind} / {plan}"
 
 
 @app.command(cls=_Command)

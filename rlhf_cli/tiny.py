@@ -38,6 +38,18 @@ TINY_CONFIG = dict(
     tie_word_embeddings=True,
 )
 
+# A ~55M-parameter Llama on the tiny tokenizer, random weights: the benchmarks' larger policy
+# and the plan test's second shape (`build_local_55m`).
+LOCAL_55M_CONFIG = dict(
+    hidden_size=640,
+    intermediate_size=1728,
+    num_hidden_layers=12,
+    num_attention_heads=10,
+    num_key_value_heads=5,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("RLHF_CLI_CACHE", Path.home() / ".cache" / "rlhf-cli"))
@@ -117,6 +129,22 @@ def tiny_lm_path() -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         build_tiny_lm(target)
     return target
+
+
+def build_local_55m(target: Path) -> Path:
+    """The LOCAL_55M_CONFIG Llama (seed 0) with the tiny tokenizer, saved to `target`."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm_path())
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **LOCAL_55M_CONFIG,
+    )
+    return save_once(target, LlamaForCausalLM(config), tokenizer)
 
 
 def minilm_path() -> Path:

