@@ -293,6 +293,8 @@ def _print_plan(result: dict[str, Any]) -> None:
     out = Console(highlight=False)
     for name, stage in result["stages"].items():
         title = f"{name}: {fmt_gib(stage['peak_bytes'])} at peak ({stage['phase']})"
+        if stage.get("device") == "cpu":
+            title += ", on the CPU (host memory, not counted in the fit)"
         if "iteration_s" in stage:
             title += f", one iteration ≥ {stage['iteration_s']:.1f} s at the GPU's peak figures"
         table = Table("part", "GiB")
@@ -303,7 +305,7 @@ def _print_plan(result: dict[str, Any]) -> None:
         out.print(result["verdict"])
     for s in result["suggestions"]:
         args = " ".join(f"--set {a}" for a in s["set"])
-        how = s.get("launch") or (f"rlhf {s['stage']} {args}" if "stage" in s else args)
+        how = " ".join(part for part in (s.get("launch"), args) if part)
         out.print(f"  {how}  → {fmt_gib(s['peak_bytes'])}")
 
 

@@ -329,6 +329,7 @@ class StagePlan:
     parts: dict[str, int]
     iteration_s: float | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    on_host: bool = False  # runs on the CPU while the target is a GPU (`merge.device: cpu`)
 
     @property
     def peak_bytes(self) -> int:
@@ -336,6 +337,8 @@ class StagePlan:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"peak_bytes": self.peak_bytes, "phase": self.phase}
+        if self.on_host:
+            out["device"] = "cpu"
         out["parts"] = dict(self.parts)
         if self.iteration_s is not None:
             out["iteration_s"] = self.iteration_s
@@ -579,7 +582,8 @@ class Plan:
 
     @property
     def peak_bytes(self) -> int:
-        return max(s.peak_bytes for s in self.stages.values())
+        """The largest peak on the target's memory (a stage on the host does not count)."""
+        return max((s.peak_bytes for s in self.stages.values() if not s.on_host), default=0)
 
     @property
     def fits(self) -> bool:
@@ -623,6 +627,14 @@ def read_configs(
     return Configs(policy, reward)
 
 
+def plan_merge_on(recipe: Recipe, policy: ModelShape, target: Target) -> StagePlan:
+    """`plan_merge` on the device the merge runs on: the CPU's memory, outside the fit, with
+    `merge.device: cpu` on a GPU target."""
+    if recipe.merge.device == "cpu" and target.cuda:
+        return replace(plan_merge(recipe, policy, replace(target, cuda=False)), on_host=True)
+    return plan_merge(recipe, policy, target)
+
+
 def plan_recipe(
     recipe: Recipe, configs: Configs, target: Target, stages: list[str] | None = None
 ) -> Plan:
@@ -643,7 +655,7 @@ def plan_recipe(
         "train-rm": lambda: plan_train_rm(recipe, reward(), target),
         "ppo": lambda: plan_ppo(recipe, policy(), reward(), target),
         "audit": lambda: plan_audit(recipe, policy(), reward(), target),
-        "merge": lambda: plan_merge(recipe, policy(), target),
+        "merge": lambda: plan_merge_on(recipe, policy(), target),
     }
     wanted = recipe_stages(recipe) if stages is None else stages
     return Plan({stage: build[stage]() for stage in wanted}, target)
@@ -660,12 +672,10 @@ class Suggestion:
     peak_bytes: int
     fits: bool
     launch: str | None = None
-    stage: str | None = None  # for this stage's command alone
 
     def to_json(self) -> dict[str, Any]:
         out = {"set": self.sets, "peak_bytes": self.peak_bytes, "fits": self.fits}
-        extra = {"launch": self.launch, "stage": self.stage}
-        return {**out, **{k: v for k, v in extra.items() if v is not None}}
+        return out | ({"launch": self.launch} if self.launch else {})
 
 
 def candidate_sets(recipe: Recipe) -> list[list[str]]:
@@ -717,25 +727,25 @@ def suggest(
 ) -> list[Suggestion]:
     """For a plan of `stages` (default: all) over `target.memory_bytes`: the single changes that
     bring it under, else the changes applied one after another until it fits, and ZeRO-3 over
-    more processes; each with the peak it gives. A merge over the memory is told to run on the
-    CPU (its own command), and the other stages are fitted without it."""
+    more processes; each with the peak it gives. A merge over the memory is moved to the CPU
+    (`merge.device=cpu`, first and in every suggestion after it)."""
     memory = target.memory_bytes
     plan = plan_recipe(recipe, configs, target, stages)
     if memory is None or plan.fits:
         return []
-    out = []
-    if plan.stages.get("merge") and plan.stages["merge"].peak_bytes > memory:
-        out.append(Suggestion(["run.device=cpu"], 0, True, stage="merge"))
+    merge = plan.stages.get("merge")
+    # a merge over the memory moves to the CPU; every suggestion then carries that change
+    base = ["merge.device=cpu"] if merge and not merge.on_host and merge.peak_bytes > memory else []
 
     def tried(sets: list[str], on: Target = target) -> Suggestion:
-        planned = plan_recipe(with_sets(recipe, sets), configs, on, stages).stages
-        peak = max(s.peak_bytes for name, s in planned.items() if name != "merge" or not out)
-        return Suggestion(sets, peak, peak <= memory)
+        planned = plan_recipe(with_sets(recipe, base + sets), configs, on, stages)
+        return Suggestion(base + sets, planned.peak_bytes, planned.fits)
 
-    if tried([]).fits:
+    out = [tried([])] if base else []
+    if out and out[0].fits:
         return out
     out += _best_per_field([s for s in map(tried, candidate_sets(recipe)) if s.fits])
-    if len(out) <= 1:
+    if not any(s.fits for s in out):
         combined: list[str] = []
         for sets in candidate_sets(recipe):
             if not _field_set(combined, sets):

@@ -709,6 +709,12 @@ class AuditSection(Section):
 
 
 class MergeSection(Section):
+    device: Literal["auto", "cpu"] = _f(
+        "auto",
+        "`cpu`: merge on the CPU even where the other stages use a GPU (a 16-bit 7B base takes "
+        "about 14 GiB, which host memory usually has and a small card does not); `auto` follows "
+        "`run.device`.",
+    )
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = _f(
         "auto",
         "dtype the merged model is saved in (`auto` as in `model.dtype`: bfloat16 on GPUs that "

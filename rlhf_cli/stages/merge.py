@@ -120,7 +120,7 @@ def run_merge(recipe: Recipe, console: Console, stage: Literal["ppo", "sft"] = "
             f"adapter): its model folder is already complete, nothing to merge"
         )
     adapter = source.resolve_output(stage, manifest, "adapter")
-    device = pick_device(recipe.run.device)
+    device = pick_device("cpu" if recipe.merge.device == "cpu" else recipe.run.device)
     dtype = resolve_dtype(recipe.merge.dtype, device)
     sft_now: dict[str, Any] = {}
     base, sft_adapter, tok_source = policy_source(recipe, run, sft_now, "rlhf merge")

@@ -77,15 +77,17 @@ def plan_command(
 
 
 def verdict(stages: dict[str, Any], memory: int | None) -> str:
-    """One line: the peak, and by how much it fits or does not fit `memory`."""
-    name, top = max(stages.items(), key=lambda kv: kv[1].peak_bytes)
+    """One line: the peak, and by how much it fits or does not fit `memory` (a stage on the
+    host, `merge.device: cpu` on a GPU, is not counted)."""
+    counted = {n: s for n, s in stages.items() if not s.on_host} or stages
+    name, top = max(counted.items(), key=lambda kv: kv[1].peak_bytes)
     peak = f"peak {top.peak_bytes / GIB:.2f} GiB per process ({name})"
     if memory is None:
         return f"{peak}; pass --gpu or --memory to check that it fits"
     gap = (memory - top.peak_bytes) / GIB
     if gap >= 0:
         return f"fits: {peak}, {gap:.2f} GiB under {memory / GIB:.2f} GiB"
-    over = [n for n, s in stages.items() if s.peak_bytes > memory]
+    over = [n for n, s in counted.items() if s.peak_bytes > memory]
     return (
         f"does not fit: {peak} is {-gap:.2f} GiB over {memory / GIB:.2f} GiB "
         f"({', '.join(over)} over); see the suggestions"

@@ -214,11 +214,16 @@ def lora_sft_recipe(
 
 
 def test_merge_sft_of_a_lora_sft_run(lora_sft: Path, tmp_path: Path, small_recipe) -> None:
+    """With `merge.device: cpu` the merge runs on the CPU whatever `run.device` says: here
+    `cuda`, which this machine may lack (`rlhf plan` moves a merge too large for the card so)."""
     from transformers import AutoModelForCausalLM
 
+    from rlhf_cli.recipe import parse_recipe
     from rlhf_cli.stages.merge import run_merge
 
     recipe = lora_sft_recipe(lora_sft, tmp_path, small_recipe, "float32")
+    sets = ["run.device=cuda", "merge.device=cpu"]
+    recipe = parse_recipe(recipe.to_yaml(), overrides=sets)
     manifest = run_merge(recipe, QUIET, stage="sft")
     assert manifest["status"] == "completed"
     assert manifest["merged_from"]["stage"] == "sft"
