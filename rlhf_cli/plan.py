@@ -134,10 +134,10 @@ class ModelShape:
     stored_bytes: int = 4  # bytes of a weight in its checkpoint (the config's dtype)
 
 
-def load_config(source: str, trust_remote_code: bool = False) -> Any:
-    """The transformers config of `source`: a `config.json` file, a folder, a `builtin:` model
-    (resolved as the stages resolve it) or a hub id already in the local cache; never a
-    download."""
+def load_config(source: str, trust_remote_code: bool = False, gguf_file: str | None = None) -> Any:
+    """The transformers config of `source`: a `config.json` file, a folder (with `gguf_file`:
+    read from that GGUF's metadata, nothing dequantized), a `builtin:` model (resolved as the
+    stages resolve it) or a hub id already in the local cache; never a download."""
     from transformers import AutoConfig
 
     from rlhf_cli.modeling import resolve_model_path
@@ -145,6 +145,8 @@ def load_config(source: str, trust_remote_code: bool = False) -> Any:
     path = Path(source)
     if path.is_file():
         return AutoConfig.from_pretrained(path.parent, trust_remote_code=trust_remote_code)
+    if gguf_file is not None:
+        return AutoConfig.from_pretrained(path, gguf_file=gguf_file)
     try:
         return AutoConfig.from_pretrained(
             resolve_model_path(source), trust_remote_code=trust_remote_code, local_files_only=True
@@ -621,7 +623,9 @@ def read_configs(
     recipe: Recipe, config: Path | None = None, reward_config: Path | None = None
 ) -> Configs:
     """The policy's and the reward model's configs (none without a reward model)."""
-    policy = load_config(str(config or recipe.model.name_or_path), recipe.model.trust_remote_code)
+    model = recipe.model
+    gguf = None if config else model.gguf_file
+    policy = load_config(str(config or model.name_or_path), model.trust_remote_code, gguf)
     source = reward_config or recipe.reward.pretrained or recipe.reward.base_model
     reward = None if source is None else load_config(str(source), recipe.reward.trust_remote_code)
     return Configs(policy, reward)

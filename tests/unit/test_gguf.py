@@ -111,3 +111,24 @@ def test_lora_sft_trains_on_a_gguf_file_directly(make_recipe) -> None:
     weights = load_file(adapter / "adapter_model.safetensors")
     assert weights and any(w.abs().sum() > 0 for k, w in weights.items() if "lora_B" in k)
     assert manifest["status"] == "completed" and manifest["metrics"]["train_loss"] > 0
+
+
+@NEEDS_SMOLLM2
+def test_plan_reads_a_gguf_files_shapes_without_dequantizing(make_recipe, monkeypatch) -> None:
+    """`rlhf plan` on a recipe with `model.gguf_file` reads the shapes from the GGUF's metadata
+    (the folder has no config.json) and plans what the builtin's float folder plans."""
+    from rlhf_cli.plan import Target, plan_recipe, read_configs
+    from rlhf_cli.recipe import load_recipe
+
+    gguf = tiny.smollm2_gguf()
+    target = Target(memory_bytes=8 * 2**30)
+    builtin = load_recipe(make_recipe({"model": {"name_or_path": "builtin:smollm2-135m"}}))
+    expected = plan_recipe(builtin, read_configs(builtin), target).to_json()
+    from rlhf_cli import modeling
+
+    for module in (tiny, modeling):
+        monkeypatch.setattr(module, "gguf_folder", lambda path: pytest.fail("dequantized"))
+    model = {"name_or_path": str(gguf.parent), "gguf_file": gguf.name}
+    from_gguf = load_recipe(make_recipe({"model": model}, name="gguf.yaml"))
+    assert plan_recipe(from_gguf, read_configs(from_gguf), target).to_json() == expected
+    assert expected["stages"]["ppo"]["peak_bytes"] > 134_000_000 * 2  # 134.5M parameters
