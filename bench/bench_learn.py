@@ -1,72 +1,126 @@
-"""`make bench-learn`: held-out reward gain at one sample budget, ours and TRL's: bench/learn.json.
+"""`make bench-learn`: held-out reward gain against KL to the SFT policy, ours and TRL's, over a
+grid of learning rates, KL coefficients and seeds at one sample budget: bench/learn.json.
 
-Methods: our PPO with `advantage_estimator` gae, rloo and grpo (`rlhf_cli.stages.ppo.run_ppo`),
-TRL's `RLOOTrainer` and `GRPOTrainer`. Every run gets:
-- the same policy: the tiny recipe's SFT model (`rlhf sft` on recipes/tiny.yaml, fully fine-tuned)
-  with a fresh LoRA adapter (the recipe's: r 16 on the seven proj modules, dropout 0), reference
-  = the adapter disabled;
+Methods (the keys): our PPO (`rlhf_cli.stages.ppo.run_ppo`) with `advantage_estimator`
+`ours-gae`, `ours-rloo`, `ours-grpo` and `ours-reinforce_pp`; TRL's `RLOOTrainer` (`trl-rloo`)
+and `GRPOTrainer` with its default `loss_type` (`trl-grpo`: "dapo" in TRL 1.x, the loss_type
+used is recorded with each run), with "dr_grpo" (`trl-grpo-dr_grpo`) and with "grpo"
+(`trl-grpo-grpo`). Two policies (`--policy`):
+- `tiny` (default): the tiny recipe's SFT model (`rlhf sft` on recipes/tiny.yaml, fully
+  fine-tuned), prompts of at most 64 tokens; default budget 1024 completions;
+- `smollm2-135m`: SmolLM2-135M-Instruct (`builtin:smollm2-135m`, dequantized once into a float
+  folder), no SFT (it is instruction-tuned already), prompts of at most 96 tokens (its chat
+  template's default system prompt takes about 30; recipes/smollm2-135m.yaml's data settings);
+  default budget 256 completions.
+
+Every run of a policy gets:
+- the same policy with a fresh LoRA adapter (r 16, alpha 32, on the seven proj modules, dropout
+  0), reference = the adapter disabled; float32 on the CPU;
 - the same reward: the MiniLM model `rlhf train-rm` trains on recipes/tiny.yaml, scored by our
-  RewardScorer;
+  RewardScorer (no missing-EOS penalty, no score normalisation for anyone);
 - the same training prompts: data/tiny/prompts.jsonl through the recipe's filters, less the
   held-out 20% (`data.split_heldout`, fixed draw), chat template with the generation prompt;
 - the same budget of generated completions (`--budget`), in batches of 32 completions sampled at
   temperature 1.0, top-p 0.9, at most 32 new tokens, then 4 passes over each batch in
   mini-batches of 8 (TRL: generation_batch_size 32, per_device_train_batch_size 8,
-  num_iterations 4); group methods answer each prompt 4 times (num_generations 4);
-- KL: ours gae as the tiny recipe (β 0.05 in the reward, adaptive toward 6 nats); ours rloo and
-  TRL RLOO a fixed β 0.05 on the summed k1 KL in the reward; ours grpo and TRL GRPO a fixed
-  β 0.05 on k3 in the loss. Everything else at each trainer's defaults (TRL GRPO: loss_type
-  "dapo", scale_rewards "group").
+  num_iterations 4), a constant learning rate; rloo and grpo (ours and TRL's) answer each prompt
+  4 times (num_generations 4), ours-reinforce_pp once (32 prompts a batch);
+- the KL coefficient β of the grid (`--kls`), each method with its own placement of the KL:
+  ours-gae in the reward, k1, adaptive toward 6 nats with β as the starting value, as the tiny
+  recipe (its horizon of 10000 moves β by at most 0.2·32/10000 a batch: within ±2% over 1024
+  completions); ours-rloo and TRL RLOO a fixed β on the summed k1 KL in the reward; ours-grpo and
+  TRL GRPO (all three loss types) a fixed β on k3 in the loss; ours-reinforce_pp a fixed β on k2
+  in the reward, with Dr. GRPO's constant length normalisation (`loss_aggregation:
+  seq_mean_token_sum_norm`) and the temperature-only log-prob support (`logprob_support: full`),
+  as tests/stages/test_estimators.py runs it. Everything else at each trainer's defaults (ours:
+  token-mean loss, clip 0.2; TRL GRPO: scale_rewards "group").
 
 Evaluation, the same function for every run, after training: the policy answers every held-out
 prompt 4 times (temperature 0.7, top-p 1.0, 32 new tokens, each row from a fixed seed) and so does
-the SFT policy (adapter off) from the same seeds (`audit.measure.heldout_eval`); reported: the
+the SFT policy (adapter off) from the same seeds (`audit.measure.heldout_eval`); recorded: the
 held-out reward gain (policy mean − SFT mean), the win rate against the SFT answer to the same
-prompt and seed, the KL to the SFT policy (k1, summed per answer) and the wall time of the run.
+prompt and seed, the KL to the SFT policy (k1, summed per answer) and the wall time of the
+training (ours: `run_ppo`, which includes its own end-of-run held-out pass; TRL: `train()`).
 
-Each method runs at each learning rate of its search (`--lrs`) and each seed; runs alternate
-between methods (seed-major), each in its own process. Per method the learning rate with the best
-mean gain over seeds is reported as its best, with every run listed.
+Grid: every method at every learning rate (`--lrs`), KL coefficient (`--kls`) and seed
+(`--seeds`), point by point (KL coefficient, then learning rate, then seed, then method), each
+run in its own process. Every finished run is appended at once to the runs file (`--runs`,
+bench/learn_runs.jsonl: one JSON line keyed by policy, method, lr, kl_coef, seed and budget, with
+its results and the setup it ran on: the SFT and reward model's held-out figures and a digest of
+their weights); an invocation skips the runs already there, so the grid fills over several
+sessions. The SFT and reward models are trained once per work folder (`--work`).
+
+This file is rebuilt from the runs file at the end of every invocation (alone with
+`--summarise-only`), from the runs at each policy's budget (`--budget` for `--policy`, the
+default for the other) and the seeds of `--seeds`:
+- `frontier[policy][method]`: one point per (learning rate, KL coefficient) whose runs cover
+  every seed: means over seeds of the measured KL (`kl`), the gain (`gain`), the win rate and the
+  wall time, with the seed spread (population std, `kl_spread`, `gain_spread`);
+- `pareto[policy][method]`: the points no other point of that method dominates (at least the
+  gain at no more KL, better in one), by KL;
+- `comparison[policy]`: TRL GRPO's best point (highest mean gain over its three loss types) and
+  our best point (any of our methods) with at least that mean gain at no more mean KL, or null;
+  means, so read them with their spreads;
+- `progress[policy]`: runs recorded, complete points and points still missing seeds;
+- `setup[policy]`: the distinct setups the summarised runs ran on (more than one: the runs come
+  from SFT or reward models trained apart).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from bench_ppo import ROOT, recipe_for
 
 MARK = "BENCH-LEARN-RESULT "
-METHODS = ("ours-gae", "ours-rloo", "ours-grpo", "trl-rloo", "trl-grpo")
-BATCH, MINI, EPOCHS, NEW_TOKENS, GROUP, BETA, HELDOUT = 32, 8, 4, 32, 4, 0.05, 0.2
+BATCH, MINI, EPOCHS, NEW_TOKENS, GROUP, HELDOUT = 32, 8, 4, 32, 4, 0.2
 EVAL_SAMPLES, EVAL_SEED = 4, 1234
+OURS = {
+    "ours-gae": {"advantage_estimator": "gae"},
+    "ours-rloo": {"advantage_estimator": "rloo", "num_generations": GROUP, "adaptive_kl": False},
+    "ours-grpo": {"advantage_estimator": "grpo", "num_generations": GROUP, "adaptive_kl": False,
+                  "kl_in": "loss", "kl_estimator": "k3"},
+    "ours-reinforce_pp": {"advantage_estimator": "reinforce_pp", "adaptive_kl": False,
+                          "kl_estimator": "k2", "loss_aggregation": "seq_mean_token_sum_norm",
+                          "logprob_support": "full"},
+}  # fmt: skip
+TRL = {  # GRPOConfig / RLOOConfig settings of each TRL method beyond the shared ones
+    "trl-rloo": {},
+    "trl-grpo": {},
+    "trl-grpo-dr_grpo": {"loss_type": "dr_grpo"},
+    "trl-grpo-grpo": {"loss_type": "grpo"},
+}
+METHODS = (*OURS, *TRL)
+POLICIES = {"tiny": 1024, "smollm2-135m": 256}  # each policy's default budget (completions)
+KEY = ("policy", "method", "lr", "kl_coef", "seed", "budget")
 
 
-def ours_overrides(method: str) -> dict[str, Any]:
-    """The `ppo` section's estimator and KL settings of one of our methods."""
-    if method == "ours-gae":
-        return {"advantage_estimator": "gae"}
-    fixed = {"num_generations": GROUP, "adaptive_kl": False, "init_kl_coef": BETA}
-    if method == "ours-rloo":
-        return {**fixed, "advantage_estimator": "rloo"}
-    return {**fixed, "advantage_estimator": "grpo", "kl_in": "loss", "kl_estimator": "k3"}
-
-
-def base_recipe(work: Path, tag: str, seed: int, lr: float, budget: int) -> dict[str, Any]:
-    """recipes/tiny.yaml on the bench's SFT model and reward model, with the shared settings."""
+def base_recipe(policy: str, work: Path, tag: str, seed: int, lr: float, budget: int) -> dict:
+    """The policy's shipped recipe on the bench's policy and reward model, with the shared
+    settings."""
     import yaml
 
-    data = yaml.safe_load(recipe_for("tiny", work, budget // BATCH).read_text())
-    sft = work / "runs" / "bench-tiny" / "sft"
-    data["run"].update(name=tag, seed=seed)
-    data["model"].update(name_or_path=str(sft / "model"), tokenizer=str(sft / "tokenizer"))
+    from rlhf_cli.modeling import resolve_model_path
+
+    data = yaml.safe_load(recipe_for(policy, work, budget // BATCH).read_text())
+    if policy == "tiny":
+        sft = work / "runs" / "bench-tiny" / "sft"
+        model, tokenizer = str(sft / "model"), str(sft / "tokenizer")
+    else:
+        model = tokenizer = resolve_model_path(data["model"]["name_or_path"])
+    data["run"].update(name=tag, seed=seed, device="cpu")
+    data["model"].update(name_or_path=model, tokenizer=tokenizer, dtype="float32")
     data["sft"]["enabled"] = False
     data["reward"] = {
         **data["reward"],
@@ -76,7 +130,7 @@ def base_recipe(work: Path, tag: str, seed: int, lr: float, budget: int) -> dict
     data["data"]["prompts"]["eval_fraction"] = HELDOUT
     data["ppo"].update(
         batch_size=BATCH, mini_batch_size=MINI, gradient_accumulation_steps=1,
-        ppo_epochs=EPOCHS, learning_rate=lr,
+        ppo_epochs=EPOCHS, learning_rate=lr, missing_eos_penalty=None,
     )  # fmt: skip
     data["ppo"]["generation"].update(
         max_new_tokens=NEW_TOKENS, temperature=1.0, top_p=0.9, do_sample=True
@@ -127,7 +181,9 @@ def evaluate(policy: Any, tokenizer: Any, recipe: Any, work: Path) -> dict[str, 
     }
 
 
-def run_ours(method: str, work: Path, tag: str, seed: int, lr: float, budget: int) -> dict:
+def run_ours(
+    method: str, policy: str, work: Path, tag: str, seed: int, lr: float, kl: float, budget: int
+) -> dict[str, Any]:
     import yaml
     from peft import PeftModel
     from rich.console import Console
@@ -138,8 +194,8 @@ def run_ours(method: str, work: Path, tag: str, seed: int, lr: float, budget: in
     from rlhf_cli.stages.ppo import run_ppo
     from rlhf_cli.tracking import read_metrics
 
-    data = base_recipe(work, tag, seed, lr, budget)
-    data["ppo"].update(ours_overrides(method))
+    data = base_recipe(policy, work, tag, seed, lr, budget)
+    data["ppo"].update(OURS[method], init_kl_coef=kl)
     path = work / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(data))
     recipe = load_recipe(path)
@@ -149,14 +205,16 @@ def run_ours(method: str, work: Path, tag: str, seed: int, lr: float, budget: in
     stage = Path(recipe.run.output_dir) / tag / "ppo"
     rows = read_metrics(stage / "metrics.jsonl")
     sft = AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path)
-    policy = PeftModel.from_pretrained(sft, str(stage / "adapter"))
+    policy_model = PeftModel.from_pretrained(sft, str(stage / "adapter"))
     tokenizer = load_tokenizer(recipe.model.tokenizer, padding_side="left")
     completions = sum(1 for _ in rows) * BATCH
     return {"wall_s": round(wall, 1), "completions": completions,
-            **evaluate(policy, tokenizer, recipe, work)}  # fmt: skip
+            **evaluate(policy_model, tokenizer, recipe, work)}  # fmt: skip
 
 
-def run_trl(method: str, work: Path, tag: str, seed: int, lr: float, budget: int) -> dict:
+def run_trl(
+    method: str, policy: str, work: Path, tag: str, seed: int, lr: float, kl: float, budget: int
+) -> dict[str, Any]:
     import torch
     import yaml
     from datasets import Dataset
@@ -169,7 +227,7 @@ def run_trl(method: str, work: Path, tag: str, seed: int, lr: float, budget: int
     from rlhf_cli.stages.trained import frozen_scorer
 
     path = work / f"{tag}.yaml"
-    path.write_text(yaml.safe_dump(base_recipe(work, tag, seed, lr, budget)))
+    path.write_text(yaml.safe_dump(base_recipe(policy, work, tag, seed, lr, budget)))
     recipe = load_recipe(path)
     device = torch.device("cpu")
     tokenizer = load_tokenizer(recipe.model.tokenizer, padding_side="left")
@@ -183,7 +241,7 @@ def run_trl(method: str, work: Path, tag: str, seed: int, lr: float, budget: int
         texts = [p[-1]["content"] for p in prompts]
         return scorer.score(texts, [c[-1]["content"].strip() for c in completions])[0].tolist()
 
-    grpo = method == "trl-grpo"
+    grpo = method.startswith("trl-grpo")
     config_class, trainer_class = (GRPOConfig, GRPOTrainer) if grpo else (RLOOConfig, RLOOTrainer)
     config = config_class(
         output_dir=str(work / tag / "trl"), use_cpu=True, bf16=False, report_to="none",
@@ -191,11 +249,11 @@ def run_trl(method: str, work: Path, tag: str, seed: int, lr: float, budget: int
         max_steps=budget // BATCH * (BATCH // MINI) * EPOCHS,
         per_device_train_batch_size=MINI, gradient_accumulation_steps=1,
         generation_batch_size=BATCH, num_generations=GROUP, max_completion_length=NEW_TOKENS,
-        temperature=1.0, top_p=0.9, num_iterations=EPOCHS, beta=BETA,
+        temperature=1.0, top_p=0.9, num_iterations=EPOCHS, beta=kl,
         epsilon=recipe.ppo.cliprange, learning_rate=lr, lr_scheduler_type="constant",
         warmup_steps=0, optim="adamw_torch", adam_epsilon=recipe.ppo.adam_eps,
         max_grad_norm=recipe.ppo.max_grad_norm, gradient_checkpointing=False,
-        disable_dropout=True, dataloader_num_workers=0,
+        disable_dropout=True, dataloader_num_workers=0, **TRL[method],
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path, dtype=torch.float32)
     trainer = trainer_class(
@@ -209,23 +267,14 @@ def run_trl(method: str, work: Path, tag: str, seed: int, lr: float, budget: int
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    return {"wall_s": round(wall, 1), "completions": budget,
+    loss_type = {"loss_type": config.loss_type} if grpo else {}
+    return {"wall_s": round(wall, 1), "completions": budget, **loss_type,
             **evaluate(trainer.model, tokenizer, recipe, work)}  # fmt: skip
 
 
-def child(method: str, work: Path, tag: str, seed: int, lr: float, budget: int) -> dict:
-    from rlhf_cli.tracking import quiet_libraries
-
-    quiet_libraries()
-    if method == "setup":
-        return setup(work)
-    run = run_trl if method.startswith("trl") else run_ours
-    return {"method": method, "seed": seed, "lr": lr,
-            **run(method, work, tag, seed, lr, budget)}  # fmt: skip
-
-
 def setup(work: Path) -> dict[str, Any]:
-    """`rlhf sft` and `rlhf train-rm` on recipes/tiny.yaml: the shared policy and reward."""
+    """`rlhf sft` and `rlhf train-rm` on recipes/tiny.yaml: the tiny policy and the shared
+    reward; their held-out figures and a digest of their weights."""
     from rich.console import Console
 
     from rlhf_cli.recipe import load_recipe
@@ -235,13 +284,30 @@ def setup(work: Path) -> dict[str, Any]:
     recipe = load_recipe(recipe_for("tiny", work, 1))
     quiet = Console(stderr=True, quiet=True)
     sft, rm = run_sft(recipe, quiet), run_train_rm(recipe, quiet)
+    digest = hashlib.sha256()
+    for stage in ("sft", "rm"):
+        folder = work / "runs" / "bench-tiny" / stage / "model"
+        for weights in sorted(folder.glob("*.safetensors")):
+            digest.update(weights.read_bytes())
     return {"sft_eval_loss": sft["metrics"].get("eval_loss"),
-            "rm_eval_accuracy": rm["metrics"].get("eval_accuracy")}  # fmt: skip
+            "rm_eval_accuracy": rm["metrics"].get("eval_accuracy"),
+            "weights_sha256": digest.hexdigest()[:16]}  # fmt: skip
 
 
-def spawn(method: str, work: Path, tag: str, seed: int = 0, lr: float = 0.0, budget: int = 0):
-    cmd = [sys.executable, __file__, "--child", method, "--tag", tag, "--work", str(work),
-           "--seed", str(seed), "--lr", str(lr), "--budget", str(budget)]  # fmt: skip
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    from rlhf_cli.tracking import quiet_libraries
+
+    quiet_libraries()
+    if args.child == "setup":
+        return setup(args.work)
+    run = run_trl if args.child in TRL else run_ours
+    return run(args.child, args.policy, args.work, args.tag, args.seed, args.lr, args.kl,
+               args.budget)  # fmt: skip
+
+
+def spawn(work: Path, tag: str, method: str, *flags: str) -> dict[str, Any]:
+    """`child` in its own process: its result."""
+    cmd = [sys.executable, __file__, "--child", method, "--tag", tag, "--work", str(work), *flags]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         sys.stderr.write(out.stderr[-4000:])
@@ -252,65 +318,159 @@ def spawn(method: str, work: Path, tag: str, seed: int = 0, lr: float = 0.0, bud
     return result
 
 
-def summarise(runs: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]:
-    """Per method and learning rate: mean and spread (population std) over seeds; the best
-    learning rate by mean held-out gain."""
-    out: dict[str, Any] = {}
-    for method in methods:
-        by_lr: dict[str, Any] = {}
-        for lr in sorted({r["lr"] for r in runs if r["method"] == method}):
-            mine = [r for r in runs if r["method"] == method and r["lr"] == lr]
-            by_lr[str(lr)] = {
-                key: {
-                    "mean": round(statistics.fmean(r[key] for r in mine), 4),
-                    "spread": round(statistics.pstdev(r[key] for r in mine), 4),
-                }
-                for key in ("reward_gain", "win_rate", "kl", "wall_s")
-            }
-        best = max(by_lr, key=lambda lr: by_lr[lr]["reward_gain"]["mean"])
-        out[method] = {"best_lr": float(best), "best": by_lr[best], "by_lr": by_lr}
+def prepared(work: Path) -> dict[str, Any]:
+    """The setup of this work folder, run the first time only (work/setup.json)."""
+    path = work / "setup.json"
+    if not path.is_file():
+        path.write_text(json.dumps(spawn(work, "setup", "setup")))
+    return json.loads(path.read_text())
+
+
+def read_runs(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def point(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One (learning rate, KL coefficient) of a method: means and spreads over its seeds."""
+
+    def mean(key: str) -> float:
+        return round(statistics.fmean(r[key] for r in runs), 4)
+
+    def spread(key: str) -> float:
+        return round(statistics.pstdev(r[key] for r in runs), 4)
+
+    return {"lr": runs[0]["lr"], "kl_coef": runs[0]["kl_coef"], "kl": mean("kl"),
+            "kl_spread": spread("kl"), "gain": mean("reward_gain"),
+            "gain_spread": spread("reward_gain"), "win_rate": mean("win_rate"),
+            "wall_s": mean("wall_s"), "seeds": sorted(r["seed"] for r in runs)}  # fmt: skip
+
+
+def pareto(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The points no other dominates (at least the gain at no more KL, better in one), by KL."""
+
+    def dominates(q: dict[str, Any], p: dict[str, Any]) -> bool:
+        better = q["gain"] > p["gain"] or q["kl"] < p["kl"]
+        return better and q["gain"] >= p["gain"] and q["kl"] <= p["kl"]
+
+    kept = [p for p in points if not any(dominates(q, p) for q in points)]
+    return sorted(kept, key=lambda p: p["kl"])
+
+
+def comparison(frontier: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """TRL GRPO's best point and our best point with at least its gain at no more KL."""
+    trl = [{"method": m, **p} for m, ps in frontier.items() if m.startswith("trl-grpo") for p in ps]
+    if not trl:
+        return None
+    best = max(trl, key=lambda p: p["gain"])
+    ours = [
+        {"method": m, **p}
+        for m, ps in frontier.items()
+        if m in OURS
+        for p in ps
+        if p["gain"] >= best["gain"] and p["kl"] <= best["kl"]
+    ]
+    mine = max(ours, key=lambda p: p["gain"], default=None)
+    return {"trl_grpo_best": best, "ours_best_at_no_more_kl": mine}
+
+
+def summarise(runs: list[dict[str, Any]], budgets: dict[str, int], seeds: list[int]) -> dict:
+    """The frontier, Pareto, comparison, progress and setup blocks (module docstring) of the
+    runs at each policy's budget and of `seeds`."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        if r["budget"] == budgets[r["policy"]] and r["seed"] in seeds:
+            groups[r["policy"], METHODS.index(r["method"]), r["kl_coef"], r["lr"]].append(r)
+    out: dict[str, dict[str, Any]] = {
+        k: {} for k in ("frontier", "pareto", "comparison", "progress", "setup")
+    }
+    for (policy, index, *_), mine in sorted(groups.items()):
+        complete = {r["seed"] for r in mine} == set(seeds)
+        progress = out["progress"].setdefault(policy, {"runs": 0, "points": 0, "incomplete": 0})
+        progress["runs"] += len(mine)
+        progress["points" if complete else "incomplete"] += 1
+        setups = out["setup"].setdefault(policy, [])
+        for r in mine:
+            if r["setup"] not in setups:
+                setups.append(r["setup"])
+        if complete:
+            out["frontier"].setdefault(policy, {}).setdefault(METHODS[index], []).append(
+                point(mine)
+            )
+    for policy, methods in out["frontier"].items():
+        out["pareto"][policy] = {m: pareto(ps) for m, ps in methods.items()}
+        out["comparison"][policy] = comparison(methods)
     return out
+
+
+def run_grid(args: argparse.Namespace, budget: int) -> None:
+    """The grid's runs not in the runs file yet, each appended to it when done."""
+    done = {tuple(r[k] for k in KEY) for r in read_runs(args.runs)}
+    todo = [
+        (method, lr, kl, seed)
+        for kl in args.kls
+        for lr in args.lrs
+        for seed in args.seeds
+        for method in args.methods
+        if (args.policy, method, lr, kl, seed, budget) not in done
+    ]
+    print(f"bench-learn: {len(todo)} runs to do, {len(done)} recorded", file=sys.stderr)
+    if not todo:
+        return
+    args.work.mkdir(parents=True, exist_ok=True)
+    prepared_on = prepared(args.work)
+    for method, lr, kl, seed in todo:
+        tag = f"{args.policy}-{method}-s{seed}-lr{lr:g}-kl{kl:g}-b{budget}"
+        flags = ["--policy", args.policy, "--seed", str(seed), "--lr", str(lr), "--kl", str(kl),
+                 "--budget", str(budget)]  # fmt: skip
+        result = spawn(args.work, tag, method, *flags)
+        key = dict(zip(KEY, (args.policy, method, lr, kl, seed, budget), strict=True))
+        with args.runs.open("a") as runs:
+            runs.write(json.dumps({**key, **result, "setup": prepared_on}) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "learn.json")
-    ap.add_argument("--budget", type=int, default=1024, help="completions per run")
+    ap.add_argument("--runs", type=Path, default=ROOT / "bench" / "learn_runs.jsonl")
+    ap.add_argument("--policy", default="tiny", choices=POLICIES)
+    ap.add_argument("--budget", type=int, help="completions per run (default: the policy's)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--lrs", type=float, nargs="+", default=[3e-4, 1e-3])
+    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
+    ap.add_argument("--kls", type=float, nargs="+", default=[0.02, 0.1], help="KL coefficients β")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--work", type=Path, default=Path("/tmp/rlhf-bench-learn"))
+    ap.add_argument("--summarise-only", action="store_true", help="rebuild --out from --runs")
     ap.add_argument("--child")
     ap.add_argument("--tag")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=0.0)
+    ap.add_argument("--kl", type=float, default=0.0)
     args = ap.parse_args()
     if args.child:
-        result = child(args.child, args.work, args.tag, args.seed, args.lr, args.budget)
-        print(MARK + json.dumps(result), flush=True)
+        print(MARK + json.dumps(child(args)), flush=True)
         return
-    args.work.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    prepared = spawn("setup", args.work, "setup")
-    runs = [
-        spawn(method, args.work, f"{method}-s{seed}-lr{lr:g}", seed, lr, args.budget)
-        for seed in args.seeds
-        for lr in args.lrs
-        for method in args.methods
-    ]
-    report = {
-        "what": __doc__,
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "budget_completions": args.budget,
-        "seeds": args.seeds,
-        "learning_rates": args.lrs,
-        "setup": prepared,
-        "summary": summarise(runs, args.methods),
-        "runs": runs,
-        "bench_wall_s": round(time.time() - started, 1),
-    }
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["summary"], indent=2))
+    budget = args.budget or POLICIES[args.policy]
+    budgets, runs = {**POLICIES, args.policy: budget}, args.runs.resolve()
+    try:
+        if not args.summarise_only:
+            run_grid(args, budget)
+    finally:
+        report = {
+            "what": __doc__,
+            "machine": {
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                **{name: version(name) for name in ("torch", "transformers", "peft", "trl")},
+            },
+            "budget_completions": budgets,
+            "seeds": args.seeds,
+            "runs_file": str(runs.relative_to(ROOT) if runs.is_relative_to(ROOT) else runs),
+            **summarise(read_runs(args.runs), budgets, args.seeds),
+        }
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps({k: report[k] for k in ("progress", "comparison")}, indent=2))
 
 
 if __name__ == "__main__":
