@@ -127,8 +127,8 @@ def test_sft_trains_on_the_prompt_tokens_that_generation_sees(tmp_path, small_re
 
 
 LONGER_TO_A_CAP = """
-def words_up_to_24(prompts, responses):
-    return [min(len(r.split()), 24) / 8 for r in responses]
+def words_up_to_16(prompts, responses):
+    return [min(len(r.split()), 16) / 4 for r in responses]
 """
 
 
@@ -136,13 +136,15 @@ def words_up_to_24(prompts, responses):
 def test_ppo_on_the_real_model_gains_held_out_reward_and_answers_still_end(
     tmp_path, small_recipe
 ) -> None:
-    """A short PPO on SmolLM2 (no SFT: it is an instruct model) against a rule reward that
-    pays for words up to 24 (dense, so a few iterations move it) while `missing_eos_penalty`
-    takes 1 from an answer cut at `max_new_tokens` (40 tokens, about 30 words): longer answers
-    pay, answers that stop ending do not. On held-out prompts, from the same seeds, the policy
-    beats the model it started from, and its answers still end with `<|im_end|>` (whose
-    handling with pad == eos is what the penalty depends on). The prompts ask for one
-    sentence, so the instruct model's answers end inside the budget from the start."""
+    """A short PPO on SmolLM2 (no SFT: it is an instruct model) against a rule reward that pays for
+    words up to 16 (dense, so a few iterations move it; one-sentence answers start around 12)
+    while `missing_eos_penalty` takes 1 from an answer cut at `max_new_tokens` (40 tokens, about
+    30 words): longer answers pay up to the cap, answers that stop ending never. (A cap of 24
+    words, near the budget, pushed a quarter of the answers past it within 12 iterations: the
+    penalty only teaches once answers are cut.) On held-out prompts, from the same seeds, the
+    policy beats the model it started from, and its answers still end with `<|im_end|>` (whose
+    handling with pad == eos is what the penalty depends on). The prompts ask for one sentence,
+    so the instruct model's answers end inside the budget from the start."""
     import json
 
     from rlhf_cli.stages.ppo import run_ppo
@@ -155,7 +157,7 @@ def test_ppo_on_the_real_model_gains_held_out_reward_and_answers_still_end(
         "".join(json.dumps({"prompt": f"In one sentence: {r['prompt']}"}) + "\n" for r in rows)
     )
     (tmp_path / "length_reward.py").write_text(LONGER_TO_A_CAP)
-    reward = {"function": f"{tmp_path / 'length_reward.py'}:words_up_to_24"}
+    reward = {"function": f"{tmp_path / 'length_reward.py'}:words_up_to_16"}
     recipe = smollm2_recipe(
         tmp_path,
         small_recipe,
