@@ -146,7 +146,9 @@ def load_config(source: str, trust_remote_code: bool = False, gguf_file: str | N
     if path.is_file():
         return AutoConfig.from_pretrained(path.parent, trust_remote_code=trust_remote_code)
     if gguf_file is not None:
-        return AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+        from rlhf_cli.tiny import gguf_config
+
+        return gguf_config(path / gguf_file)
     try:
         return AutoConfig.from_pretrained(
             resolve_model_path(source), trust_remote_code=trust_remote_code, local_files_only=True

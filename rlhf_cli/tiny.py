@@ -9,11 +9,13 @@ loaded like any checkpoint, with `from_pretrained`: the loading code is the real
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -190,13 +192,23 @@ def gguf_folder(gguf: Path) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _gguf_errors(gguf: Path) -> Iterator[None]:
+    """A missing `gguf` package, or a GGUF transformers cannot read, as one ModelLoadError."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError(f"reading {gguf.name} needs the gguf package: pip install gguf")
+    try:
+        yield
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        first = str(exc).splitlines()[0][:200] if str(exc) else exc.__class__.__name__
+        raise ModelLoadError(f"transformers cannot read the GGUF {gguf}: {first}") from None
+
+
 def _read_gguf(gguf: Path) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    if importlib.util.find_spec("gguf") is None:
-        raise ModelLoadError(f"reading {gguf.name} needs the gguf package: pip install gguf")
-    try:
+    with _gguf_errors(gguf):
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent,
@@ -204,10 +216,15 @@ def _read_gguf(gguf: Path) -> tuple[Any, Any]:
             quantization_config=GgufConfig(dequantize=True),
             dtype=torch.float32,
         )
-    except (ValueError, KeyError, NotImplementedError) as exc:
-        first = str(exc).splitlines()[0][:200] if str(exc) else exc.__class__.__name__
-        raise ModelLoadError(f"transformers cannot read the GGUF {gguf}: {first}") from None
     return model, tokenizer
+
+
+def gguf_config(gguf: Path) -> Any:
+    """The transformers config in a GGUF's metadata, nothing dequantized (`rlhf plan`)."""
+    from transformers import AutoConfig
+
+    with _gguf_errors(gguf):
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 BUILTINS = {"tiny-lm": tiny_lm_path, "minilm": minilm_path, "smollm2-135m": smollm2_path}

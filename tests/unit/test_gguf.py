@@ -57,6 +57,9 @@ def test_an_unreadable_gguf_is_one_model_load_error(tmp_path: Path) -> None:
     (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(ModelLoadError, match="cannot read the GGUF .*broken.gguf"):
         resolve_model_path(str(tmp_path), "broken.gguf")
+    # `rlhf plan` reads only the GGUF's config, with the same one line
+    with pytest.raises(ModelLoadError, match="cannot read the GGUF .*broken.gguf"):
+        tiny.gguf_config(tmp_path / "broken.gguf")
 
 
 @NEEDS_SMOLLM2
