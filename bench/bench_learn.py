@@ -453,9 +453,12 @@ def main() -> None:
         return
     budget = args.budget or POLICIES[args.policy]
     budgets, runs = {**POLICIES, args.policy: budget}, args.runs.resolve()
+    interrupted = False
     try:
         if not args.summarise_only:
             run_grid(args, budget)
+    except KeyboardInterrupt:  # the finished runs are in the runs file; the summary still follows
+        interrupted = True
     finally:
         report = {
             "what": __doc__,
@@ -471,6 +474,8 @@ def main() -> None:
         }
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps({k: report[k] for k in ("progress", "comparison")}, indent=2))
+    if interrupted:
+        raise SystemExit("bench-learn: interrupted; rerun the command to resume the grid")
 
 
 if __name__ == "__main__":
