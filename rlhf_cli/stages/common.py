@@ -132,7 +132,9 @@ class StageCallback(TrainerCallback):
         control.should_log = control.should_log or control.should_save
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.stopping:
+        # no evaluation on a stop, nor at the end of the last epoch: the stage measures the
+        # final held-out loss itself right after (`rlhf sft`), so it would be measured twice
+        if self.stopping or state.global_step >= state.max_steps:
             control.should_evaluate = False
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

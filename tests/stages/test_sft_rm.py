@@ -87,7 +87,11 @@ def test_sft_metrics_jsonl_has_the_training_log(sft_full) -> None:
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) >= 5  # logging_steps 5 over 46 steps
     assert losses[-1] < losses[0]
-    assert any("eval_loss" in r for r in rows)
+    # held out: before training, after the first epoch, and once at the end (the second
+    # epoch's own evaluation would measure the same weights as the final one)
+    evaluated = [r["step"] for r in rows if "eval_loss" in r]
+    assert evaluated == [0, 23, 46], evaluated
+    assert rows[-1]["eval_loss"] == manifest["metrics"]["eval_loss"]
 
 
 def test_sft_model_and_tokenizer_reload(sft_full) -> None:
