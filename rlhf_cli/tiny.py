@@ -181,15 +181,20 @@ def gguf_folder(gguf: Path) -> Path:
     with its tokenizer and chat template, in the cache (keyed by the file's path, size and
     modification time); later loads are plain `from_pretrained` on that folder. A file that is
     missing, a GGUF transformers cannot read, or no `gguf` package is one `ModelLoadError`."""
-    if not gguf.is_file():
-        raise ModelLoadError(f"GGUF file not found: {gguf}")
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    target = cache_root() / f"gguf-{gguf.stem}-{key.hexdigest()[:12]}"
+    target = _gguf_target(gguf)
     if not (target / "config.json").is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         save_once(target, *_read_gguf(gguf))
     return target
+
+
+def _gguf_target(gguf: Path) -> Path:
+    """The cache folder `gguf_folder` dequantizes `gguf` into (it may not exist yet)."""
+    if not gguf.is_file():
+        raise ModelLoadError(f"GGUF file not found: {gguf}")
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return cache_root() / f"gguf-{gguf.stem}-{key.hexdigest()[:12]}"
 
 
 @contextlib.contextmanager
@@ -220,9 +225,15 @@ def _read_gguf(gguf: Path) -> tuple[Any, Any]:
 
 
 def gguf_config(gguf: Path) -> Any:
-    """The transformers config in a GGUF's metadata, nothing dequantized (`rlhf plan`)."""
+    """The transformers config in a GGUF's metadata, nothing dequantized (`rlhf plan`, and the
+    planned peak in every stage's manifest): the cached float folder's config.json once
+    `gguf_folder` has written it, as reading the metadata takes seconds (SmolLM2's: 7 s, mostly
+    its 49k-token vocabulary)."""
     from transformers import AutoConfig
 
+    cached = _gguf_target(gguf)
+    if (cached / "config.json").is_file():
+        return AutoConfig.from_pretrained(cached)
     with _gguf_errors(gguf):
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
 

@@ -99,8 +99,10 @@ def test_lora_sft_trains_on_a_gguf_file_directly(make_recipe) -> None:
         make_recipe(
             {
                 "model": {"name_or_path": str(gguf.parent), "gguf_file": gguf.name},
+                "data": {"sft": {"eval_fraction": 0.02}},  # 8 held-out rows
                 "sft": {
-                    "epochs": 0.1,  # 2 optimiser steps of 16 examples
+                    "epochs": 0.01,  # 1 optimiser step of 4 examples
+                    "batch_size": 4,
                     "max_length": 64,
                     "warmup_ratio": 0.0,
                     "logging_steps": 1,
@@ -117,9 +119,13 @@ def test_lora_sft_trains_on_a_gguf_file_directly(make_recipe) -> None:
 
 
 @NEEDS_SMOLLM2
-def test_plan_reads_a_gguf_files_shapes_without_dequantizing(make_recipe, monkeypatch) -> None:
+def test_plan_reads_a_gguf_files_shapes_without_dequantizing(
+    make_recipe, monkeypatch, tmp_path
+) -> None:
     """`rlhf plan` on a recipe with `model.gguf_file` reads the shapes from the GGUF's metadata
-    (the folder has no config.json) and plans what the builtin's float folder plans."""
+    (the folder has no config.json) and plans what the builtin's float folder plans; once the
+    GGUF is dequantized in the cache, from that folder's config.json (the metadata takes
+    seconds to read), with the same plan."""
     from rlhf_cli.plan import Target, plan_recipe, read_configs
     from rlhf_cli.recipe import load_recipe
 
@@ -133,5 +139,19 @@ def test_plan_reads_a_gguf_files_shapes_without_dequantizing(make_recipe, monkey
         monkeypatch.setattr(module, "gguf_folder", lambda path: pytest.fail("dequantized"))
     model = {"name_or_path": str(gguf.parent), "gguf_file": gguf.name}
     from_gguf = load_recipe(make_recipe({"model": model}, name="gguf.yaml"))
+    from transformers import AutoConfig
+
+    metadata_reads, real = [], AutoConfig.from_pretrained.__func__
+
+    def from_pretrained(cls, path, **kwargs):
+        metadata_reads.extend([kwargs["gguf_file"]] if "gguf_file" in kwargs else [])
+        return real(cls, path, **kwargs)
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", classmethod(from_pretrained))
+    assert (tiny._gguf_target(gguf) / "config.json").is_file()  # the builtin dequantized it
     assert plan_recipe(from_gguf, read_configs(from_gguf), target).to_json() == expected
+    assert metadata_reads == []
+    monkeypatch.setenv("RLHF_CLI_CACHE", str(tmp_path / "empty-cache"))
+    assert plan_recipe(from_gguf, read_configs(from_gguf), target).to_json() == expected
+    assert metadata_reads == [gguf.name]
     assert expected["stages"]["ppo"]["peak_bytes"] > 134_000_000 * 2  # 134.5M parameters
