@@ -66,11 +66,11 @@ def test_ppo_learns_and_writes_the_contract(ppo_recipe, pipeline, tmp_path, smal
         tmp_path,
         small_recipe,
         {
-            "iterations": 25,
+            "iterations": 15,
             "batch_size": 32,
             "mini_batch_size": 8,
-            "ppo_epochs": 4,
-            "save_freq": 25,
+            "ppo_epochs": 2,
+            "save_freq": 15,
             "log_every": 5,
             "generation": {"top_p": 0.9},  # the guide's nucleus: the loss must see it too
         },
@@ -82,11 +82,11 @@ def test_ppo_learns_and_writes_the_contract(ppo_recipe, pipeline, tmp_path, smal
     assert_trackers_hold(rows, run.stage_dir("ppo"), f"{recipe.run.name}-ppo")
 
     assert manifest["status"] == "completed"
-    assert [r["iteration"] for r in rows] == list(range(1, 26))
+    assert [r["iteration"] for r in rows] == list(range(1, 16))
     assert all(key in rows[0] for key in REQUIRED_KEYS)
     first = sum(r["env/reward_mean"] for r in rows[:5]) / 5
     last = sum(r["env/reward_mean"] for r in rows[-5:]) / 5
-    assert last > first + 0.1, (first, last)
+    assert last > first + 0.1, (first, last, [r["env/reward_mean"] for r in rows])
     assert all(torch.isfinite(torch.tensor(r["objective/kl"])) for r in rows)
     # the ratio and KL are those of the distribution sampled (top-p 0.9), every iteration:
     # float noise typically; a token at the nucleus edge may flip in or out under that noise,

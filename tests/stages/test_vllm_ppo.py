@@ -23,15 +23,15 @@ def test_ppo_on_the_vllm_engine_learns_and_audits(ppo_recipe, pipeline, tmp_path
     from rlhf_cli.stages.ppo import run_ppo
 
     generation = {"top_p": 0.9, "backend": "vllm", "tis_cap": 2.0}
-    ppo = {"iterations": 25, "batch_size": 32, "mini_batch_size": 8, "ppo_epochs": 4,
-           "save_freq": 25, "log_every": 5, "generation": generation}  # fmt: skip
+    ppo = {"iterations": 15, "batch_size": 32, "mini_batch_size": 8, "ppo_epochs": 2,
+           "save_freq": 15, "log_every": 5, "generation": generation}  # fmt: skip
     recipe = ppo_recipe(pipeline, tmp_path, small_recipe, ppo)
     manifest = run_ppo(recipe, Console(stderr=True, quiet=True))
     rows = read_metrics(RunDir.for_recipe(recipe).stage_dir("ppo") / "metrics.jsonl")
-    assert manifest["status"] == "completed" and len(rows) == 25
+    assert manifest["status"] == "completed" and len(rows) == 15
     first = sum(r["env/reward_mean"] for r in rows[:5]) / 5
     last = sum(r["env/reward_mean"] for r in rows[-5:]) / 5
-    assert last > first + 0.1, (first, last)
+    assert last > first + 0.1, (first, last, [r["env/reward_mean"] for r in rows])
     mismatch = sorted(r["rollout/logprob_mismatch"] for r in rows)
     assert mismatch[len(mismatch) // 2] < 1e-3 and mismatch[-1] < 5e-2, mismatch
 
