@@ -50,7 +50,9 @@ def test_two_processes_match_one_process_and_resume_to_it(
     checkpoints = run.stage_dir("ppo") / "checkpoints"
     state = json.loads((checkpoints / "iter_00002" / "state.json").read_text())
     assert (state["engine"], state["processes"]) == (ENGINE_NAME[engine], 2)
-    uninterrupted = rows(run)
+    uninterrupted = rows(run)  # one row per iteration, from the main process alone
+    assert [r["iteration"] for r in uninterrupted] == [1, 2, 3]
+    assert run.read_manifest("ppo")["metrics"]["iterations"] == 3
     assert [r["ppo/optimizer_steps"] for r in uninterrupted] == [2.0, 2.0, 2.0]  # 2 x 8 / (4 x 2)
     assert_same_numbers(uninterrupted, rows(one_process_run))
     # the final adapter, saved once from the gathered weights, is the one-process adapter
