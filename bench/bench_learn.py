@@ -2,10 +2,14 @@
 grid of learning rates, KL coefficients and seeds at one sample budget: bench/learn.json.
 
 Methods (the keys): our PPO (`rlhf_cli.stages.ppo.run_ppo`) with `advantage_estimator`
-`ours-gae`, `ours-rloo`, `ours-grpo` and `ours-reinforce_pp`; TRL's `RLOOTrainer` (`trl-rloo`)
-and `GRPOTrainer` with its default `loss_type` (`trl-grpo`: "dapo" in TRL 1.x, the loss_type
-used is recorded with each run), with "dr_grpo" (`trl-grpo-dr_grpo`) and with "grpo"
-(`trl-grpo-grpo`). Two policies (`--policy`):
+`ours-gae`, `ours-rloo`, `ours-grpo` and `ours-reinforce_pp` (the sampled log-prob support but
+for reinforce_pp), the first three again with `logprob_support: full` (`ours-gae-full`,
+`ours-rloo-full`, `ours-grpo-full`) and grpo with Dr. GRPO's aggregation as well
+(`ours-grpo-dr`), plus variants screened at one point only (`OURS`, last block); TRL's
+`RLOOTrainer` (`trl-rloo`) and `GRPOTrainer` with its default `loss_type` (`trl-grpo`: "dapo" in
+TRL 1.x, the loss_type used is recorded with each run), with "dr_grpo" (`trl-grpo-dr_grpo`) and
+with "grpo" (`trl-grpo-grpo`). `make bench-learn` runs the grid's methods (`GRID`): all but the
+screened ones. Two policies (`--policy`):
 - `tiny` (default): the tiny recipe's SFT model (`rlhf sft` on recipes/tiny.yaml, fully
   fine-tuned), prompts of at most 64 tokens; default budget 1024 completions;
 - `smollm2-135m`: SmolLM2-135M-Instruct (`builtin:smollm2-135m`, dequantized once into a float
@@ -86,15 +90,30 @@ from bench_ppo import ROOT, recipe_for
 MARK = "BENCH-LEARN-RESULT "
 BATCH, MINI, EPOCHS, NEW_TOKENS, GROUP, HELDOUT = 32, 8, 4, 32, 4, 0.2
 EVAL_SAMPLES, EVAL_SEED = 4, 1234
-OURS = {
-    "ours-gae": {"advantage_estimator": "gae"},
-    "ours-rloo": {"advantage_estimator": "rloo", "num_generations": GROUP, "adaptive_kl": False},
-    "ours-grpo": {"advantage_estimator": "grpo", "num_generations": GROUP, "adaptive_kl": False,
-                  "kl_in": "loss", "kl_estimator": "k3"},
+_GROUPED = {"num_generations": GROUP, "adaptive_kl": False}
+_GRPO = {"advantage_estimator": "grpo", **_GROUPED, "kl_in": "loss", "kl_estimator": "k3"}
+FULL = {"logprob_support": "full"}
+OURS = {  # the four estimators as first measured: the sampled support, except reinforce_pp
+    "ours-gae": {"advantage_estimator": "gae", "logprob_support": "sampled"},
+    "ours-rloo": {"advantage_estimator": "rloo", **_GROUPED, "logprob_support": "sampled"},
+    "ours-grpo": {**_GRPO, "logprob_support": "sampled"},
     "ours-reinforce_pp": {"advantage_estimator": "reinforce_pp", "adaptive_kl": False,
                           "kl_estimator": "k2", "loss_aggregation": "seq_mean_token_sum_norm",
-                          "logprob_support": "full"},
+                          **FULL},
 }  # fmt: skip
+OURS |= {  # the same with the temperature-only support, and Dr. GRPO's aggregation on grpo
+    "ours-gae-full": {**OURS["ours-gae"], **FULL},
+    "ours-rloo-full": {**OURS["ours-rloo"], **FULL},
+    "ours-grpo-full": {**_GRPO, **FULL},
+    "ours-grpo-dr": {**_GRPO, **FULL, "loss_aggregation": "seq_mean_token_sum_norm"},
+}
+SCREENED = {  # tried at one point only (lr 1e-3, β 0.02, seed 0), not carried further
+    "ours-gae-full-k3loss": {**OURS["ours-gae-full"], "kl_in": "loss", "kl_estimator": "k3"},
+    "ours-gae-lam1": {**OURS["ours-gae"], "lam": 1.0},
+    "ours-gae-full-lam1": {**OURS["ours-gae-full"], "lam": 1.0},
+    "ours-gae-full-vf05": {**OURS["ours-gae-full"], "vf_coef": 0.5},
+}
+OURS |= SCREENED
 TRL = {  # GRPOConfig / RLOOConfig settings of each TRL method beyond the shared ones
     "trl-rloo": {},
     "trl-grpo": {},
@@ -102,6 +121,7 @@ TRL = {  # GRPOConfig / RLOOConfig settings of each TRL method beyond the shared
     "trl-grpo-grpo": {"loss_type": "grpo"},
 }
 METHODS = (*OURS, *TRL)
+GRID = tuple(m for m in METHODS if m not in SCREENED)
 POLICIES = {"tiny": 1024, "smollm2-135m": 256}  # each policy's default budget (completions)
 KEY = ("policy", "method", "lr", "kl_coef", "seed", "budget")
 
@@ -439,7 +459,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
     ap.add_argument("--kls", type=float, nargs="+", default=[0.02, 0.1], help="KL coefficients β")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(GRID), choices=METHODS)
     ap.add_argument("--work", type=Path, default=Path("/tmp/rlhf-bench-learn"))
     ap.add_argument("--summarise-only", action="store_true", help="rebuild --out from --runs")
     ap.add_argument("--child")
