@@ -62,9 +62,10 @@ default for the other) and the seeds of `--seeds`:
   wall time, with the seed spread (population std, `kl_spread`, `gain_spread`);
 - `pareto[policy][method]`: the points no other point of that method dominates (at least the
   gain at no more KL, better in one), by KL;
-- `comparison[policy]`: TRL GRPO's best point (highest mean gain over its three loss types) and
-  our best point (any of our methods) with at least that mean gain at no more mean KL, or null;
-  means, so read them with their spreads;
+- `comparison[policy]`: TRL GRPO's best point (highest mean gain over its three loss types),
+  our best point (any of our methods) at no more mean KL, the difference of their mean gains,
+  whether it is within the larger of their seed spreads, and whether ours reaches TRL's gain;
+  under `gae` the same for the best point of our GAE methods against our best point at any KL;
 - `progress[policy]`: runs recorded, complete points and points still missing seeds;
 - `setup[policy]`: the distinct setups the summarised runs ran on (more than one: the runs come
   from SFT or reward models trained apart).
@@ -379,7 +380,9 @@ def pareto(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def comparison(frontier: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
-    """TRL GRPO's best point and our best point with at least its gain at no more KL."""
+    """TRL GRPO's best point; our best point at no more KL, its gain minus TRL's and whether that
+    difference is within the larger of the two seed spreads; our best point with at least TRL's
+    gain at no more KL, or null."""
     trl = [{"method": m, **p} for m, ps in frontier.items() if m.startswith("trl-grpo") for p in ps]
     if not trl:
         return None
@@ -389,10 +392,25 @@ def comparison(frontier: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | No
         for m, ps in frontier.items()
         if m in OURS
         for p in ps
-        if p["gain"] >= best["gain"] and p["kl"] <= best["kl"]
+        if p["kl"] <= best["kl"]
     ]
     mine = max(ours, key=lambda p: p["gain"], default=None)
-    return {"trl_grpo_best": best, "ours_best_at_no_more_kl": mine}
+    out = {"trl_grpo_best": best, "ours_best_at_no_more_kl": mine, **versus(mine, best)}
+    everything = [{"method": m, **p} for m, ps in frontier.items() if m in OURS for p in ps]
+    gae = [p for p in everything if p["method"].startswith("ours-gae")]
+    if gae:
+        top, top_gae = (max(ps, key=lambda p: p["gain"]) for ps in (everything, gae))
+        out["gae"] = {"ours_best": top, "gae_best": top_gae, **versus(top_gae, top)}
+    return out
+
+
+def versus(mine: dict[str, Any] | None, other: dict[str, Any]) -> dict[str, Any]:
+    """Gain of `mine` minus that of `other`, and whether that is within the larger seed spread."""
+    if mine is None:
+        return {"gain_difference": None, "within_one_spread": None, "reaches_it": False}
+    gap = round(mine["gain"] - other["gain"], 4)
+    spread = max(mine["gain_spread"], other["gain_spread"])
+    return {"gain_difference": gap, "within_one_spread": abs(gap) <= spread, "reaches_it": gap >= 0}
 
 
 def summarise(runs: list[dict[str, Any]], budgets: dict[str, int], seeds: list[int]) -> dict:
