@@ -2,10 +2,14 @@
 grid of learning rates, KL coefficients and seeds at one sample budget: bench/learn.json.
 
 Methods (the keys): our PPO (`rlhf_cli.stages.ppo.run_ppo`) with `advantage_estimator`
-`ours-gae`, `ours-rloo`, `ours-grpo` and `ours-reinforce_pp`; TRL's `RLOOTrainer` (`trl-rloo`)
-and `GRPOTrainer` with its default `loss_type` (`trl-grpo`: "dapo" in TRL 1.x, the loss_type
-used is recorded with each run), with "dr_grpo" (`trl-grpo-dr_grpo`) and with "grpo"
-(`trl-grpo-grpo`). Two policies (`--policy`):
+`ours-gae`, `ours-rloo`, `ours-grpo` and `ours-reinforce_pp` (the sampled log-prob support but
+for reinforce_pp), the first three again with `logprob_support: full` (`ours-gae-full`,
+`ours-rloo-full`, `ours-grpo-full`) and grpo with Dr. GRPO's aggregation as well
+(`ours-grpo-dr`), plus variants screened at one point only (`OURS`, last block); TRL's
+`RLOOTrainer` (`trl-rloo`) and `GRPOTrainer` with its default `loss_type` (`trl-grpo`: "dapo" in
+TRL 1.x, the loss_type used is recorded with each run), with "dr_grpo" (`trl-grpo-dr_grpo`) and
+with "grpo" (`trl-grpo-grpo`). `make bench-learn` runs the grid's methods (`GRID`): all but the
+screened ones. Two policies (`--policy`):
 - `tiny` (default): the tiny recipe's SFT model (`rlhf sft` on recipes/tiny.yaml, fully
   fine-tuned), prompts of at most 64 tokens; default budget 1024 completions;
 - `smollm2-135m`: SmolLM2-135M-Instruct (`builtin:smollm2-135m`, dequantized once into a float
@@ -58,9 +62,10 @@ default for the other) and the seeds of `--seeds`:
   wall time, with the seed spread (population std, `kl_spread`, `gain_spread`);
 - `pareto[policy][method]`: the points no other point of that method dominates (at least the
   gain at no more KL, better in one), by KL;
-- `comparison[policy]`: TRL GRPO's best point (highest mean gain over its three loss types) and
-  our best point (any of our methods) with at least that mean gain at no more mean KL, or null;
-  means, so read them with their spreads;
+- `comparison[policy]`: TRL GRPO's best point (highest mean gain over its three loss types),
+  our best point (any of our methods) at no more mean KL, the difference of their mean gains,
+  whether it is within the larger of their seed spreads, and whether ours reaches TRL's gain;
+  under `gae` the same for the best point of our GAE methods against our best point at any KL;
 - `progress[policy]`: runs recorded, complete points and points still missing seeds;
 - `setup[policy]`: the distinct setups the summarised runs ran on (more than one: the runs come
   from SFT or reward models trained apart).
@@ -86,15 +91,30 @@ from bench_ppo import ROOT, recipe_for
 MARK = "BENCH-LEARN-RESULT "
 BATCH, MINI, EPOCHS, NEW_TOKENS, GROUP, HELDOUT = 32, 8, 4, 32, 4, 0.2
 EVAL_SAMPLES, EVAL_SEED = 4, 1234
-OURS = {
-    "ours-gae": {"advantage_estimator": "gae"},
-    "ours-rloo": {"advantage_estimator": "rloo", "num_generations": GROUP, "adaptive_kl": False},
-    "ours-grpo": {"advantage_estimator": "grpo", "num_generations": GROUP, "adaptive_kl": False,
-                  "kl_in": "loss", "kl_estimator": "k3"},
+_GROUPED = {"num_generations": GROUP, "adaptive_kl": False}
+_GRPO = {"advantage_estimator": "grpo", **_GROUPED, "kl_in": "loss", "kl_estimator": "k3"}
+FULL = {"logprob_support": "full"}
+OURS = {  # the four estimators as first measured: the sampled support, except reinforce_pp
+    "ours-gae": {"advantage_estimator": "gae", "logprob_support": "sampled"},
+    "ours-rloo": {"advantage_estimator": "rloo", **_GROUPED, "logprob_support": "sampled"},
+    "ours-grpo": {**_GRPO, "logprob_support": "sampled"},
     "ours-reinforce_pp": {"advantage_estimator": "reinforce_pp", "adaptive_kl": False,
                           "kl_estimator": "k2", "loss_aggregation": "seq_mean_token_sum_norm",
-                          "logprob_support": "full"},
+                          **FULL},
 }  # fmt: skip
+OURS |= {  # the same with the temperature-only support, and Dr. GRPO's aggregation on grpo
+    "ours-gae-full": {**OURS["ours-gae"], **FULL},
+    "ours-rloo-full": {**OURS["ours-rloo"], **FULL},
+    "ours-grpo-full": {**_GRPO, **FULL},
+    "ours-grpo-dr": {**_GRPO, **FULL, "loss_aggregation": "seq_mean_token_sum_norm"},
+}
+SCREENED = {  # tried at one point only (lr 1e-3, β 0.02, seed 0), not carried further
+    "ours-gae-full-k3loss": {**OURS["ours-gae-full"], "kl_in": "loss", "kl_estimator": "k3"},
+    "ours-gae-lam1": {**OURS["ours-gae"], "lam": 1.0},
+    "ours-gae-full-lam1": {**OURS["ours-gae-full"], "lam": 1.0},
+    "ours-gae-full-vf05": {**OURS["ours-gae-full"], "vf_coef": 0.5},
+}
+OURS |= SCREENED
 TRL = {  # GRPOConfig / RLOOConfig settings of each TRL method beyond the shared ones
     "trl-rloo": {},
     "trl-grpo": {},
@@ -102,6 +122,7 @@ TRL = {  # GRPOConfig / RLOOConfig settings of each TRL method beyond the shared
     "trl-grpo-grpo": {"loss_type": "grpo"},
 }
 METHODS = (*OURS, *TRL)
+GRID = tuple(m for m in METHODS if m not in SCREENED)
 POLICIES = {"tiny": 1024, "smollm2-135m": 256}  # each policy's default budget (completions)
 KEY = ("policy", "method", "lr", "kl_coef", "seed", "budget")
 
@@ -359,7 +380,9 @@ def pareto(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def comparison(frontier: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
-    """TRL GRPO's best point and our best point with at least its gain at no more KL."""
+    """TRL GRPO's best point; our best point at no more KL, its gain minus TRL's and whether that
+    difference is within the larger of the two seed spreads; our best point with at least TRL's
+    gain at no more KL, or null."""
     trl = [{"method": m, **p} for m, ps in frontier.items() if m.startswith("trl-grpo") for p in ps]
     if not trl:
         return None
@@ -369,10 +392,25 @@ def comparison(frontier: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | No
         for m, ps in frontier.items()
         if m in OURS
         for p in ps
-        if p["gain"] >= best["gain"] and p["kl"] <= best["kl"]
+        if p["kl"] <= best["kl"]
     ]
     mine = max(ours, key=lambda p: p["gain"], default=None)
-    return {"trl_grpo_best": best, "ours_best_at_no_more_kl": mine}
+    out = {"trl_grpo_best": best, "ours_best_at_no_more_kl": mine, **versus(mine, best)}
+    everything = [{"method": m, **p} for m, ps in frontier.items() if m in OURS for p in ps]
+    gae = [p for p in everything if p["method"].startswith("ours-gae")]
+    if gae:
+        top, top_gae = (max(ps, key=lambda p: p["gain"]) for ps in (everything, gae))
+        out["gae"] = {"ours_best": top, "gae_best": top_gae, **versus(top_gae, top)}
+    return out
+
+
+def versus(mine: dict[str, Any] | None, other: dict[str, Any]) -> dict[str, Any]:
+    """Gain of `mine` minus that of `other`, and whether that is within the larger seed spread."""
+    if mine is None:
+        return {"gain_difference": None, "within_one_spread": None, "reaches_it": False}
+    gap = round(mine["gain"] - other["gain"], 4)
+    spread = max(mine["gain_spread"], other["gain_spread"])
+    return {"gain_difference": gap, "within_one_spread": abs(gap) <= spread, "reaches_it": gap >= 0}
 
 
 def summarise(runs: list[dict[str, Any]], budgets: dict[str, int], seeds: list[int]) -> dict:
@@ -439,7 +477,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
     ap.add_argument("--kls", type=float, nargs="+", default=[0.02, 0.1], help="KL coefficients β")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(GRID), choices=METHODS)
     ap.add_argument("--work", type=Path, default=Path("/tmp/rlhf-bench-learn"))
     ap.add_argument("--summarise-only", action="store_true", help="rebuild --out from --runs")
     ap.add_argument("--child")

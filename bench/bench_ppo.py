@@ -11,7 +11,10 @@ Configurations, each in its own process (so peak RSS is its own):
   prompt): no value model at all. Its peak RSS against the two above is the critic's memory;
 - `smollm2-135m`: a real instruct model, recipes/smollm2-135m.yaml's PPO settings as shipped
   (SmolLM2-135M-Instruct with LoRA r 16, 16 answers of at most 48 tokens, 2 epochs of
-  mini-batches of 4), scored by the tiny run's reward model; no SFT (an instruct model).
+  mini-batches of 4), scored by the tiny run's reward model; no SFT (an instruct model);
+- `smollm2-135m+no-kl`: the same with β 0 and fixed (`init_kl_coef: 0`, `adaptive_kl: false`):
+  no reference forward in the rollout. Its log-prob time and peak RSS against the one above are
+  what a no-KL run saves.
 
 Times are medians over iterations 2..N (iteration 1 includes warm-up). `outside_share` is the
 share of the iteration spent outside generation, reward scoring, the log-prob/value/reference
@@ -57,15 +60,16 @@ def tiny_recipe_data(work: Path, run_name: str, iterations: int, recipe: str = "
 VARIANTS = {
     "separate-critic": {"value_model": "separate", "value_init": "policy"},
     "rloo": {"advantage_estimator": "rloo", "num_generations": 4},
+    "no-kl": {"init_kl_coef": 0.0, "adaptive_kl": False},
 }
 
 
 def recipe_for(name: str, work: Path, iterations: int) -> Path:
     import yaml
 
-    real = name == "smollm2-135m"
-    data = tiny_recipe_data(work, "bench-tiny", iterations, f"{name}.yaml" if real else "tiny.yaml")
     base, _, variant = name.partition("+")
+    real = base == "smollm2-135m"
+    data = tiny_recipe_data(work, "bench-tiny", iterations, f"{base}.yaml" if real else "tiny.yaml")
     if variant:
         data["ppo"].update(VARIANTS[variant])
     if base != "tiny":
@@ -148,7 +152,14 @@ def one(name: str, work: Path, iterations: int) -> dict:
     }
 
 
-CONFIGS = ("tiny", "local-55m", "local-55m+separate-critic", "local-55m+rloo", "smollm2-135m")
+CONFIGS = (
+    "tiny",
+    "local-55m",
+    "local-55m+separate-critic",
+    "local-55m+rloo",
+    "smollm2-135m",
+    "smollm2-135m+no-kl",
+)
 
 
 def main() -> None:
