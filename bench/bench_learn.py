@@ -380,26 +380,18 @@ def pareto(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def comparison(frontier: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
-    """TRL GRPO's best point; our best point at no more KL, its gain minus TRL's and whether that
-    difference is within the larger of the two seed spreads; our best point with at least TRL's
-    gain at no more KL, or null."""
+    """TRL GRPO's best point against our best point at no more KL, and our best GAE point
+    against our best point at any KL (`versus`)."""
     trl = [{"method": m, **p} for m, ps in frontier.items() if m.startswith("trl-grpo") for p in ps]
     if not trl:
         return None
     best = max(trl, key=lambda p: p["gain"])
-    ours = [
-        {"method": m, **p}
-        for m, ps in frontier.items()
-        if m in OURS
-        for p in ps
-        if p["kl"] <= best["kl"]
-    ]
-    mine = max(ours, key=lambda p: p["gain"], default=None)
+    ours = [{"method": m, **p} for m, ps in frontier.items() if m in OURS for p in ps]
+    mine = max((p for p in ours if p["kl"] <= best["kl"]), key=lambda p: p["gain"], default=None)
     out = {"trl_grpo_best": best, "ours_best_at_no_more_kl": mine, **versus(mine, best)}
-    everything = [{"method": m, **p} for m, ps in frontier.items() if m in OURS for p in ps]
-    gae = [p for p in everything if p["method"].startswith("ours-gae")]
+    gae = [p for p in ours if p["method"].startswith("ours-gae")]
     if gae:
-        top, top_gae = (max(ps, key=lambda p: p["gain"]) for ps in (everything, gae))
+        top, top_gae = (max(ps, key=lambda p: p["gain"]) for ps in (ours, gae))
         out["gae"] = {"ours_best": top, "gae_best": top_gae, **versus(top_gae, top)}
     return out
 
