@@ -4,8 +4,9 @@ grid of learning rates, KL coefficients and seeds at one sample budget: bench/le
 Methods (the keys): our PPO (`rlhf_cli.stages.ppo.run_ppo`) with `advantage_estimator`
 `ours-gae`, `ours-rloo`, `ours-grpo` and `ours-reinforce_pp` (the sampled log-prob support but
 for reinforce_pp), the first three again with `logprob_support: full` (`ours-gae-full`,
-`ours-rloo-full`, `ours-grpo-full`) and grpo with Dr. GRPO's aggregation as well
-(`ours-grpo-dr`), plus variants screened at one point only (`OURS`, last block); TRL's
+`ours-rloo-full`, `ours-grpo-full`), grpo with Dr. GRPO's aggregation as well
+(`ours-grpo-dr`) and with DAPO's clip-higher (`ours-grpo-full-ch`: `cliprange_high` 0.28), plus
+variants screened at one point only (`OURS`, last block); TRL's
 `RLOOTrainer` (`trl-rloo`) and `GRPOTrainer` with its default `loss_type` (`trl-grpo`: "dapo" in
 TRL 1.x, the loss_type used is recorded with each run), with "dr_grpo" (`trl-grpo-dr_grpo`) and
 with "grpo" (`trl-grpo-grpo`). `make bench-learn` runs the grid's methods (`GRID`): all but the
@@ -107,12 +108,17 @@ OURS |= {  # the same with the temperature-only support, and Dr. GRPO's aggregat
     "ours-rloo-full": {**OURS["ours-rloo"], **FULL},
     "ours-grpo-full": {**_GRPO, **FULL},
     "ours-grpo-dr": {**_GRPO, **FULL, "loss_aggregation": "seq_mean_token_sum_norm"},
+    "ours-grpo-full-ch": {**_GRPO, **FULL, "cliprange_high": 0.28},  # DAPO's clip-higher
 }
 SCREENED = {  # tried at one point only (lr 1e-3, β 0.02, seed 0), not carried further
     "ours-gae-full-k3loss": {**OURS["ours-gae-full"], "kl_in": "loss", "kl_estimator": "k3"},
     "ours-gae-lam1": {**OURS["ours-gae"], "lam": 1.0},
     "ours-gae-full-lam1": {**OURS["ours-gae-full"], "lam": 1.0},
     "ours-gae-full-vf05": {**OURS["ours-gae-full"], "vf_coef": 0.5},
+    "ours-gae-full-sep": {**OURS["ours-gae-full"], "value_model": "separate"},
+    "ours-gae-full-wr": {**OURS["ours-gae-full"], "whiten_rewards": True},
+    "ours-gae-full-ch": {**OURS["ours-gae-full"], "cliprange_high": 0.28},
+    "ours-gae-full-g4": {**OURS["ours-gae-full"], "num_generations": GROUP},
 }
 OURS |= SCREENED
 TRL = {  # GRPOConfig / RLOOConfig settings of each TRL method beyond the shared ones
