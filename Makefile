@@ -94,7 +94,8 @@ bench-peer: $(STAMP)
 # held-out reward gain against KL to the SFT policy (the frontier): our four estimators against
 # TRL's RLOO and GRPO (three loss types), 3 learning rates x 2 KL coefficients x 3 seeds, every
 # run its own process, each recorded in bench/learn_runs.jsonl as it ends (rerun to resume the
-# grid): bench/learn.json. LEARN_POLICY=smollm2-135m for the real model (256 completions a run).
+# grid): bench/learn.json. LEARN_POLICY=smollm2-135m for the real model's smaller grid (3
+# methods, one lr and one KL coefficient, 256 completions a run).
 LEARN_POLICY ?= tiny
 bench-learn: $(STAMP)
 	$(PY) bench/bench_learn.py --policy $(LEARN_POLICY) --out bench/learn.json

@@ -9,14 +9,17 @@ for reinforce_pp), the first three again with `logprob_support: full` (`ours-gae
 variants screened at one point only (`OURS`, last block); TRL's
 `RLOOTrainer` (`trl-rloo`) and `GRPOTrainer` with its default `loss_type` (`trl-grpo`: "dapo" in
 TRL 1.x, the loss_type used is recorded with each run), with "dr_grpo" (`trl-grpo-dr_grpo`) and
-with "grpo" (`trl-grpo-grpo`). `make bench-learn` runs the grid's methods (`GRID`): all but the
-screened ones. Two policies (`--policy`):
+with "grpo" (`trl-grpo-grpo`). Two policies (`--policy`), each with its default grid
+(`POLICIES`):
 - `tiny` (default): the tiny recipe's SFT model (`rlhf sft` on recipes/tiny.yaml, fully
-  fine-tuned), prompts of at most 64 tokens; default budget 1024 completions;
+  fine-tuned), prompts of at most 64 tokens; default budget 1024 completions; every method but
+  the screened ones (`GRID`) at lr 1e-4, 3e-4 and 1e-3 and β 0.02 and 0.1;
 - `smollm2-135m`: SmolLM2-135M-Instruct (`builtin:smollm2-135m`, dequantized once into a float
   folder), no SFT (it is instruction-tuned already), prompts of at most 96 tokens (its chat
   template's default system prompt takes about 30; recipes/smollm2-135m.yaml's data settings);
-  default budget 256 completions.
+  a smaller grid, as a run takes about 15 min on a 2-core CPU (the tiny grid's 144 runs would be
+  about 36 h): default budget 256 completions, three methods (our grpo and GAE with the full
+  support, TRL's best on the tiny task, GRPO `dr_grpo`) at lr 3e-4 and β 0.02 only.
 
 Every run of a policy gets:
 - the same policy with a fresh LoRA adapter (r 16, alpha 32, on the seven proj modules, dropout
@@ -85,7 +88,7 @@ import time
 from collections import defaultdict
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench_ppo import ROOT, recipe_for
 
@@ -129,7 +132,22 @@ TRL = {  # GRPOConfig / RLOOConfig settings of each TRL method beyond the shared
 }
 METHODS = (*OURS, *TRL)
 GRID = tuple(m for m in METHODS if m not in SCREENED)
-POLICIES = {"tiny": 1024, "smollm2-135m": 256}  # each policy's default budget (completions)
+
+
+class Grid(NamedTuple):
+    """A policy's default grid: completions a run, methods, learning rates, KL coefficients."""
+
+    budget: int
+    methods: tuple[str, ...]
+    lrs: tuple[float, ...]
+    kls: tuple[float, ...]
+
+
+POLICIES = {
+    "tiny": Grid(1024, GRID, (1e-4, 3e-4, 1e-3), (0.02, 0.1)),
+    "smollm2-135m": Grid(256, ("ours-grpo-full", "ours-gae-full", "trl-grpo-dr_grpo"), (3e-4,),
+                         (0.02,)),
+}  # fmt: skip
 KEY = ("policy", "method", "lr", "kl_coef", "seed", "budget")
 
 
@@ -471,11 +489,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "learn.json")
     ap.add_argument("--runs", type=Path, default=ROOT / "bench" / "learn_runs.jsonl")
     ap.add_argument("--policy", default="tiny", choices=POLICIES)
-    ap.add_argument("--budget", type=int, help="completions per run (default: the policy's)")
+    ap.add_argument("--budget", type=int, help="completions a run (default: the policy's)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
-    ap.add_argument("--kls", type=float, nargs="+", default=[0.02, 0.1], help="KL coefficients β")
-    ap.add_argument("--methods", nargs="+", default=list(GRID), choices=METHODS)
+    ap.add_argument("--lrs", type=float, nargs="+", help="default: the policy's")
+    ap.add_argument("--kls", type=float, nargs="+", help="KL coefficients β (default: policy's)")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, help="default: the policy's")
     ap.add_argument("--work", type=Path, default=Path("/tmp/rlhf-bench-learn"))
     ap.add_argument("--summarise-only", action="store_true", help="rebuild --out from --runs")
     ap.add_argument("--child")
@@ -487,8 +505,12 @@ def main() -> None:
     if args.child:
         print(MARK + json.dumps(child(args)), flush=True)
         return
-    budget = args.budget or POLICIES[args.policy]
-    budgets, runs = {**POLICIES, args.policy: budget}, args.runs.resolve()
+    grid = POLICIES[args.policy]
+    args.methods = args.methods or list(grid.methods)
+    args.lrs, args.kls = args.lrs or list(grid.lrs), args.kls or list(grid.kls)
+    budget = args.budget or grid.budget
+    budgets = {**{p: g.budget for p, g in POLICIES.items()}, args.policy: budget}
+    runs = args.runs.resolve()
     interrupted = False
     try:
         if not args.summarise_only:
