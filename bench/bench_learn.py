@@ -56,7 +56,10 @@ run in its own process. Every finished run is appended at once to the runs file 
 bench/learn_runs.jsonl: one JSON line keyed by policy, method, lr, kl_coef, seed and budget, with
 its results and the setup it ran on: the SFT and reward model's held-out figures and a digest of
 their weights); an invocation skips the runs already there, so the grid fills over several
-sessions. The SFT and reward models are trained once per work folder (`--work`).
+sessions. The SFT and reward models are trained once per work folder (`--work`). Off the
+default grid, the runs file also holds `ours-gae-full` at β 0.005 (lr 1e-3, 3 seeds: `--methods
+ours-gae-full --lrs 1e-3 --kls 0.005`): at β 0.02 its k1 reward penalty holds it to half the KL
+grpo reaches, and this point compares them at the same KL.
 
 This file is rebuilt from the runs file at the end of every invocation (alone with
 `--summarise-only`), from the runs at each policy's budget (`--budget` for `--policy`, the
