@@ -101,6 +101,7 @@ EVAL_SAMPLES, EVAL_SEED = 4, 1234
 _GROUPED = {"num_generations": GROUP, "adaptive_kl": False}
 _GRPO = {"advantage_estimator": "grpo", **_GROUPED, "kl_in": "loss", "kl_estimator": "k3"}
 FULL = {"logprob_support": "full"}
+CLIP_HIGH = {"cliprange_high": 0.28}  # DAPO's clip-higher
 OURS = {  # the four estimators as first measured: the sampled support, except reinforce_pp
     "ours-gae": {"advantage_estimator": "gae", "logprob_support": "sampled"},
     "ours-rloo": {"advantage_estimator": "rloo", **_GROUPED, "logprob_support": "sampled"},
@@ -114,7 +115,7 @@ OURS |= {  # the same with the temperature-only support, and Dr. GRPO's aggregat
     "ours-rloo-full": {**OURS["ours-rloo"], **FULL},
     "ours-grpo-full": {**_GRPO, **FULL},
     "ours-grpo-dr": {**_GRPO, **FULL, "loss_aggregation": "seq_mean_token_sum_norm"},
-    "ours-grpo-full-ch": {**_GRPO, **FULL, "cliprange_high": 0.28},  # DAPO's clip-higher
+    "ours-grpo-full-ch": {**_GRPO, **FULL, **CLIP_HIGH},
 }
 SCREENED = {  # tried at one point only (lr 1e-3, β 0.02, seed 0), not carried further
     "ours-gae-full-k3loss": {**OURS["ours-gae-full"], "kl_in": "loss", "kl_estimator": "k3"},
@@ -123,7 +124,7 @@ SCREENED = {  # tried at one point only (lr 1e-3, β 0.02, seed 0), not carried 
     "ours-gae-full-vf05": {**OURS["ours-gae-full"], "vf_coef": 0.5},
     "ours-gae-full-sep": {**OURS["ours-gae-full"], "value_model": "separate"},
     "ours-gae-full-wr": {**OURS["ours-gae-full"], "whiten_rewards": True},
-    "ours-gae-full-ch": {**OURS["ours-gae-full"], "cliprange_high": 0.28},
+    "ours-gae-full-ch": {**OURS["ours-gae-full"], **CLIP_HIGH},
     "ours-gae-full-g4": {**OURS["ours-gae-full"], "num_generations": GROUP},
 }
 OURS |= SCREENED
