@@ -689,6 +689,14 @@ class AuditSection(Section):
     sycophancy_phrases: list[str] = _f(
         list(GUIDE_SYCOPHANTIC_OPENERS), "Openers searched in the first 150 characters."
     )
+    min_length_ratio: float = _f(
+        0.5,
+        "Flag a length collapse when the policy's mean answer, in words, is under this share of "
+        "the reference's on the same prompts and seeds (only where the reference is at hand; 0: "
+        "off). β is not raised for it.",
+        ge=0,
+        le=1,
+    )
     generation: GenerationSection = _f(
         GenerationSection(temperature=0.7, top_p=1.0), "Audit generation settings."
     )

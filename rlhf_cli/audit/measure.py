@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from rlhf_cli.audit.detectors import audit_responses
+from rlhf_cli.audit.detectors import GUIDE_FLAGS, audit_responses
 from rlhf_cli.generation import (
     Generations,
     Generator,
@@ -24,6 +24,14 @@ from rlhf_cli.recipe import AuditSection, GenerationSection
 from rlhf_cli.scoring import RewardScorer
 
 ACTION = "Increase KL coefficient (β) by {step} and recheck in 25 iterations."
+BREVITY_ACTION = (
+    "Answers collapsed in length against the reference's: a per-token KL penalty charges every "
+    "token, so do not raise β; lower it or check the reward model's preference for short answers."
+)
+
+
+def _mark(report: dict[str, Any], flag: str) -> str:
+    return "[red]⚠[/]" if flag in report["flags"] else "[green]✓[/]"
 
 
 def sample_answers(
@@ -76,8 +84,9 @@ def audit_policy(
     generator: Generator,
     batch_size: int = 16,
 ) -> dict[str, Any]:
-    """The guide's audit report on `cfg.samples` responses per prompt; with a reward model and
-    the reference, their mean rewards and the policy's KL to the reference too. `generator`
+    """The guide's audit report on `cfg.samples` responses per prompt; with the reference, the
+    policy's KL to it and its answers' length against the reference's; with a reward model too,
+    their mean rewards. `generator`
     (the recipe's backend, `generation.generator_for`) samples, synced to the policy, then to
     the reference. Each answer samples from its own seed, derived from `seed`."""
     was_training = model.training
@@ -87,16 +96,19 @@ def audit_policy(
     generator.sync(model)
     batches = sample_answers(generator, queries, cfg.generation, batch_size, seed)
     responses = [text for answers in batches for text in answers.texts]
-    report = audit_responses(responses, cfg)
+    ref_responses = None
+    if reference is not None:
+        kl = kl_to_reference(model, reference, batches, cfg.generation)
+        with reference.model() as ref:
+            generator.sync(ref)
+            ref_batches = sample_answers(generator, queries, cfg.generation, batch_size, seed)
+        ref_responses = [text for answers in ref_batches for text in answers.texts]
+    report = audit_responses(responses, cfg, ref_responses)
     if scorer is not None:
         report["reward_policy_mean"] = float(scorer.score(asked, responses)[0].mean())
-    if reference is not None:
-        report["kl_to_reference"] = kl_to_reference(model, reference, batches, cfg.generation)
+    if ref_responses is not None:
+        report["kl_to_reference"] = kl
         if scorer is not None:
-            with reference.model() as ref:
-                generator.sync(ref)
-                ref_batches = sample_answers(generator, queries, cfg.generation, batch_size, seed)
-            ref_responses = [text for answers in ref_batches for text in answers.texts]
             report["reward_reference_mean"] = float(scorer.score(asked, ref_responses)[0].mean())
     report["samples"] = [
         {"prompt": p, "response": r} for p, r in zip(asked, responses, strict=True)
@@ -159,12 +171,13 @@ def render_report(report: dict[str, Any], cfg: AuditSection, console: Console, t
     ]
     table.add_row("Avg response length", f"{report['avg_response_len']:.1f} words", "", "")
     for label, key, limit in rows:
-        flagged = key in report["flags"]
+        table.add_row(label, f"{report[f'{key}_score']:.1%}", f"> {limit:.0%}", _mark(report, key))
+    if "length_ratio" in report:
         table.add_row(
-            label,
-            f"{report[f'{key}_score']:.1%}",
-            f"> {limit:.0%}",
-            "[red]⚠[/]" if flagged else "[green]✓[/]",
+            "Length vs reference",
+            f"{report['length_ratio']:.0%}",
+            f"< {cfg.min_length_ratio:.0%}",
+            _mark(report, "brevity"),
         )
     for key, label in (
         ("reward_policy_mean", "Mean reward, policy"),
@@ -177,6 +190,9 @@ def render_report(report: dict[str, Any], cfg: AuditSection, console: Console, t
     console.print(table)
     if report["hacking_detected"]:
         console.print("[red bold]REWARD HACKING DETECTED[/] (" + ", ".join(report["flags"]) + ")")
-        console.print("Action: " + ACTION.format(step=cfg.kl_coef_step))
+        if set(report["flags"]) & set(GUIDE_FLAGS):
+            console.print("Action: " + ACTION.format(step=cfg.kl_coef_step))
+        if "brevity" in report["flags"]:
+            console.print("Action: " + BREVITY_ACTION)
     else:
         console.print("[green]No reward hacking patterns detected.[/]")

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from rlhf_cli.audit.detectors import GUIDE_FLAGS
 from rlhf_cli.errors import CheckpointWriteError, write_remedy
 from rlhf_cli.generation import Generator
 from rlhf_cli.modeling import Reference
@@ -115,18 +116,20 @@ def live_audit(run: PPORun, iteration: int) -> dict[str, float]:
         report = run.hooks.audit(actor)
     if not acc.is_main_process:
         report = None
-    flagged = any_process(acc, bool(report and report["hacking_detected"]))
-    if flagged:
+    raise_beta = any_process(acc, bool(report and set(report["flags"]) & set(GUIDE_FLAGS)))
+    if raise_beta:
         run.state.kl_ctl.raise_by(run.recipe.audit.kl_coef_step)
     if report is None:
         return {}
-    if flagged:
+    if report["hacking_detected"]:
         run.logs.warn(
             f"iteration {iteration}: the audit flagged {', '.join(report['flags'])}; "
-            f"β raised to {run.state.kl_ctl.value:.4f}"
+            + (f"β raised to {run.state.kl_ctl.value:.4f}" if raise_beta else "β left as it was")
         )
     keys = ("verbosity_score", "sycophancy_score", "repetition_score", "avg_response_len")
-    return {**{f"audit/{k}": float(report[k]) for k in keys}, "audit/hacking_detected": flagged}
+    keys += ("length_ratio",) if "length_ratio" in report else ()
+    metrics = {f"audit/{k}": float(report[k]) for k in keys}
+    return {**metrics, "audit/hacking_detected": float(report["hacking_detected"])}
 
 
 def heldout_eval(run: PPORun, iteration: int) -> dict[str, float]:

@@ -67,7 +67,8 @@ def _how_it_was_made(recipe: Recipe, run: RunDir) -> list[str]:
         f"β₀ {p.init_kl_coef} ({kl_mode}), γ {p.gamma}, λ {p.lam}, clip {p.cliprange}, "
         f"vf_coef {p.vf_coef}, LoRA r {recipe.model.lora.r} | {_metrics(ppo)} |",
         f"| Audit | verbosity > {a.verbosity_threshold}, sycophancy > "
-        f"{a.sycophancy_threshold}, repetition > {a.repetition_threshold} | {_metrics(audit)} |",
+        f"{a.sycophancy_threshold}, repetition > {a.repetition_threshold}, length vs reference "
+        f"< {a.min_length_ratio} | {_metrics(audit)} |",
         "",
     ]
 

@@ -119,6 +119,10 @@ def test_audit_of_the_final_policy_and_of_a_checkpoint(trained: Trained) -> None
     final = run_audit(trained.recipe, QUIET)
     for key in ("reward_policy_mean", "reward_reference_mean", "kl_to_reference"):
         assert math.isfinite(final[key]), (key, final[key])
+    # the reference answers the same prompts from the same seeds: the length check compares them
+    assert final["avg_reference_len"] > 0
+    assert final["length_ratio"] == final["avg_response_len"] / final["avg_reference_len"]
+    assert ("brevity" in final["flags"]) is (final["length_ratio"] < 0.5)
     assert final["n_responses"] == n_prompts * trained.recipe.audit.samples
     assert Path(final["path"]) == trained.run.stage_dir("audit") / "ppo.json"
 
@@ -139,6 +143,7 @@ def test_in_training_audit_logs_rates_and_raises_beta(trained: Trained) -> None:
     assert audited == [2, 4]
     for row in rows[1], rows[3]:
         assert row["audit/hacking_detected"] == 1.0 and row["audit/verbosity_score"] > 0.0
+        assert row["audit/length_ratio"] > 0.0
     # The adaptive controller alone moves β by a factor 1 ± 0.2·8/10000 per iteration;
     # a flagged audit adds audit.kl_coef_step (0.05) on top, before the next iteration.
     step = trained.recipe.audit.kl_coef_step

@@ -167,3 +167,56 @@ def test_the_recipe_sets_words_phrases_and_thresholds() -> None:
     assert report["verbosity_score"] == 0.25  # only the 4-word one is over 3 words
     assert report["sycophancy_score"] == 0.25  # the guide's opener is not on the list
     assert report["flags"] == ["verbosity"]
+
+
+# ── brevity: the policy's answers against the reference's ────────────────────────────────────
+
+
+def test_half_the_reference_length_is_not_brevity_under_half_is() -> None:
+    reference = [distinct_words(10), distinct_words(6)]  # 8 words on average
+    at_half = audit_responses([distinct_words(4), distinct_words(4)], AuditSection(), reference)
+    assert at_half["avg_reference_len"] == 8.0 and at_half["length_ratio"] == 0.5
+    assert at_half["flags"] == [] and at_half["hacking_detected"] is False
+    under = audit_responses([distinct_words(4), distinct_words(3)], AuditSection(), reference)
+    assert under["length_ratio"] == 3.5 / 8
+    assert under["flags"] == ["brevity"] and under["hacking_detected"] is True
+
+
+def test_brevity_comes_after_the_guides_flags_and_follows_the_recipe() -> None:
+    responses = ["Great question! Yes.", "ok"]  # 2.0 words on average; one sycophantic
+    reference = [distinct_words(5), distinct_words(5)]
+    report = audit_responses(responses, AuditSection(), reference)
+    assert report["length_ratio"] == 0.4
+    assert report["flags"] == ["sycophancy", "brevity"]
+    off = audit_responses(responses, AuditSection(min_length_ratio=0.0), reference)
+    assert off["flags"] == ["sycophancy"] and off["length_ratio"] == 0.4
+    strict = audit_responses(responses, AuditSection(min_length_ratio=0.3), reference)
+    assert strict["flags"] == ["sycophancy"]
+
+
+def test_no_reference_or_an_empty_one_measures_no_ratio() -> None:
+    for reference in (None, [], ["", "  "]):
+        report = audit_responses(["one", "two"], AuditSection(), reference)
+        assert "length_ratio" not in report and report["flags"] == []
+    assert audit_responses(["one"], AuditSection(), [""])["avg_reference_len"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "actions"),
+    [(["brevity"], ["do not raise β"]), (["verbosity", "brevity"], ["by 0.05", "do not raise β"])],
+)
+def test_the_printed_report_says_not_to_raise_beta_for_brevity(
+    flags: list[str], actions: list[str]
+) -> None:
+    from rich.console import Console
+
+    from rlhf_cli.audit.measure import render_report
+
+    responses = [distinct_words(201) if "verbosity" in flags else "ok", "ok"]
+    report = audit_responses(responses, AuditSection(), [distinct_words(400), distinct_words(400)])
+    assert report["flags"] == flags
+    console = Console(record=True, width=200)
+    render_report(report, AuditSection(), console, "audit")
+    text = console.export_text()
+    assert "Length vs reference" in text and "< 50%" in text
+    assert [a for a in ("by 0.05", "do not raise β") if a in text] == actions

@@ -40,13 +40,13 @@ class FakeAccelerator:
         return tensor
 
 
-def fake_run(seen: dict[str, bool]) -> Any:
+def fake_run(seen: dict[str, Any], report: dict[str, Any] = REPORT) -> Any:
     acc = FakeAccelerator()
     engine = SimpleNamespace(gathered=lambda actor: contextlib.nullcontext(actor))
 
     def audit(actor: Any) -> dict[str, Any]:
         seen["audit"] = acc.in_autocast
-        return REPORT
+        return report
 
     def evaluate(actor: Any) -> dict[str, float]:
         seen["evaluate"] = acc.in_autocast
@@ -61,8 +61,10 @@ def fake_run(seen: dict[str, bool]) -> Any:
         accelerator=acc,
         models=SimpleNamespace(engine=engine, actor=object()),
         hooks=SimpleNamespace(audit=audit, evaluate=evaluate),
-        state=SimpleNamespace(kl_ctl=SimpleNamespace(value=0.1, raise_by=lambda step: None)),
-        logs=SimpleNamespace(warn=lambda message: None),
+        state=SimpleNamespace(
+            kl_ctl=SimpleNamespace(value=0.1, raise_by=lambda step: seen.setdefault("raised", step))
+        ),
+        logs=SimpleNamespace(warn=lambda message: seen.setdefault("warned", message)),
     )
 
 
@@ -72,3 +74,25 @@ def test_live_audit_and_heldout_eval_sample_under_autocast(hook: str) -> None:
     run = fake_run(seen)
     metrics = live_audit(run, 2) if hook == "audit" else heldout_eval(run, 4)
     assert metrics and seen == {hook: True}
+
+
+@pytest.mark.parametrize(
+    ("flags", "raised"),
+    [(["brevity"], False), (["verbosity"], True), (["repetition", "brevity"], True)],
+)
+def test_only_the_guides_flags_raise_beta(flags: list[str], raised: bool) -> None:
+    """A length collapse is flagged and logged, but a larger β would shorten answers further."""
+    seen: dict[str, Any] = {}
+    report = {**REPORT, "flags": flags, "hacking_detected": True, "length_ratio": 0.25}
+    metrics = live_audit(fake_run(seen, report), 2)
+    assert metrics["audit/hacking_detected"] == 1.0 and metrics["audit/length_ratio"] == 0.25
+    assert ("raised" in seen) is raised
+    assert seen["warned"].startswith(f"iteration 2: the audit flagged {', '.join(flags)}; ")
+    assert seen["warned"].endswith("β raised to 0.1000" if raised else "β left as it was")
+
+
+def test_a_clean_audit_raises_nothing_and_warns_nothing() -> None:
+    seen: dict[str, Any] = {}
+    metrics = live_audit(fake_run(seen), 2)
+    assert metrics["audit/hacking_detected"] == 0.0 and "audit/length_ratio" not in metrics
+    assert "raised" not in seen and "warned" not in seen
