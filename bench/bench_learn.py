@@ -60,7 +60,9 @@ sessions. The SFT and reward models are trained once per work folder (`--work`).
 default grid, the runs file also holds `ours-gae-full` at β 0.005 (lr 1e-3, 3 seeds: `--methods
 ours-gae-full --lrs 1e-3 --kls 0.005`): at β 0.02 its k1 reward penalty holds it to half the KL
 grpo reaches, and this point compares them at the same KL; on SmolLM2 the same at lr 3e-4
-(`--policy smollm2-135m --methods ours-gae-full --lrs 3e-4 --kls 0.005`).
+(`--policy smollm2-135m --methods ours-gae-full --lrs 3e-4 --kls 0.005`), and the three SmolLM2
+methods at β 0.1, lr 1e-3, seeds 0 and 1 only so far (`--policy smollm2-135m --lrs 1e-3 --kls
+0.1` adds seed 2; until then these points count as incomplete).
 
 This file is rebuilt from the runs file at the end of every invocation (alone with
 `--summarise-only`), from the runs at each policy's budget (`--budget` for `--policy`, the
