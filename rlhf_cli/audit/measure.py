@@ -86,9 +86,9 @@ def audit_policy(
 ) -> dict[str, Any]:
     """The guide's audit report on `cfg.samples` responses per prompt; with the reference, the
     policy's KL to it and its answers' length against the reference's; with a reward model too,
-    their mean rewards. `generator`
-    (the recipe's backend, `generation.generator_for`) samples, synced to the policy, then to
-    the reference. Each answer samples from its own seed, derived from `seed`."""
+    their mean rewards. `generator` (the recipe's backend, `generation.generator_for`) samples,
+    synced to the policy, then to the reference. Each answer samples from its own seed, derived
+    from `seed`."""
     was_training = model.training
     model.eval()
     asked = [p for p in prompts for _ in range(cfg.samples)]
@@ -96,9 +96,9 @@ def audit_policy(
     generator.sync(model)
     batches = sample_answers(generator, queries, cfg.generation, batch_size, seed)
     responses = [text for answers in batches for text in answers.texts]
-    ref_responses = None
+    ref_responses, measured = None, {}
     if reference is not None:
-        kl = kl_to_reference(model, reference, batches, cfg.generation)
+        measured["kl_to_reference"] = kl_to_reference(model, reference, batches, cfg.generation)
         with reference.model() as ref:
             generator.sync(ref)
             ref_batches = sample_answers(generator, queries, cfg.generation, batch_size, seed)
@@ -106,10 +106,9 @@ def audit_policy(
     report = audit_responses(responses, cfg, ref_responses)
     if scorer is not None:
         report["reward_policy_mean"] = float(scorer.score(asked, responses)[0].mean())
-    if ref_responses is not None:
-        report["kl_to_reference"] = kl
-        if scorer is not None:
-            report["reward_reference_mean"] = float(scorer.score(asked, ref_responses)[0].mean())
+    report.update(measured)
+    if scorer is not None and ref_responses is not None:
+        report["reward_reference_mean"] = float(scorer.score(asked, ref_responses)[0].mean())
     report["samples"] = [
         {"prompt": p, "response": r} for p, r in zip(asked, responses, strict=True)
     ]
