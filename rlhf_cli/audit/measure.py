@@ -82,13 +82,15 @@ def audit_policy(
     reference: Reference | None = None,
     scorer: RewardScorer | None = None,
     generator: Generator,
+    reference_responses: list[str] | None = None,
     batch_size: int = 16,
 ) -> dict[str, Any]:
     """The guide's audit report on `cfg.samples` responses per prompt; with the reference, the
     policy's KL to it and its answers' length against the reference's; with a reward model too,
     their mean rewards. `generator` (the recipe's backend, `generation.generator_for`) samples,
     synced to the policy, then to the reference. Each answer samples from its own seed, derived
-    from `seed`."""
+    from `seed`, so the frozen reference's answers (in each sample's `reference`) are the same
+    every audit of a run: passed back as `reference_responses`, they are not sampled again."""
     was_training = model.training
     model.eval()
     asked = [p for p in prompts for _ in range(cfg.samples)]
@@ -99,10 +101,12 @@ def audit_policy(
     ref_responses, measured = None, {}
     if reference is not None:
         measured["kl_to_reference"] = kl_to_reference(model, reference, batches, cfg.generation)
-        with reference.model() as ref:
-            generator.sync(ref)
-            ref_batches = sample_answers(generator, queries, cfg.generation, batch_size, seed)
-        ref_responses = [text for answers in ref_batches for text in answers.texts]
+        ref_responses = reference_responses
+        if ref_responses is None:
+            with reference.model() as ref:
+                generator.sync(ref)
+                ref_batches = sample_answers(generator, queries, cfg.generation, batch_size, seed)
+            ref_responses = [text for answers in ref_batches for text in answers.texts]
     report = audit_responses(responses, cfg, ref_responses)
     if scorer is not None:
         report["reward_policy_mean"] = float(scorer.score(asked, responses)[0].mean())
@@ -112,6 +116,9 @@ def audit_policy(
     report["samples"] = [
         {"prompt": p, "response": r} for p, r in zip(asked, responses, strict=True)
     ]
+    if ref_responses is not None:
+        for sample, ref_response in zip(report["samples"], ref_responses, strict=True):
+            sample["reference"] = ref_response
     model.train(was_training)
     return report
 

@@ -311,14 +311,16 @@ def _live_audit(
     generator: Generator,
 ) -> Callable[[PolicyAndValue], dict[str, Any]]:
     """`audit.every`: the same audit as `rlhf audit`, on the live policy (given whole), sampled
-    by the rollout engine (the next rollout syncs it back to the policy)."""
+    by the rollout engine (the next rollout syncs it back to the policy). The frozen reference's
+    answers are sampled at the first audit and kept (the same seeds give the same answers)."""
     from rlhf_cli.audit.measure import audit_policy
 
     chat = recipe.model.prompt_format == "chat"
     prompts = audit_prompts(recipe.audit)
+    kept: list[str] = []
 
     def audit(actor: PolicyAndValue) -> dict[str, Any]:
-        return audit_policy(
+        report = audit_policy(
             actor.policy,
             tokenizer,
             prompts,
@@ -329,7 +331,10 @@ def _live_audit(
             scorer=scorer,
             generator=generator,
             seed=recipe.run.seed,
+            reference_responses=kept or None,
         )
+        kept[:] = [sample["reference"] for sample in report["samples"]]
+        return report
 
     return audit
 

@@ -157,6 +157,37 @@ def test_in_training_audit_logs_rates_and_raises_beta(trained: Trained) -> None:
     )
 
 
+def test_in_training_audit_samples_the_frozen_reference_once(
+    trained: Trained, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlhf_cli.audit import measure
+    from rlhf_cli.stages.ppo import _live_audit
+    from rlhf_cli.stages.trained import generation_engine, load_scorer, load_trained_policy
+
+    recipe, run, cpu = trained.recipe, trained.run, torch.device("cpu")
+    policy = load_trained_policy(recipe, run, cpu, None)
+    generator = generation_engine(
+        recipe.audit.generation, policy.model, policy.tokenizer, recipe, run.path
+    )
+    sampled = []
+    sample_answers = measure.sample_answers
+    monkeypatch.setattr(
+        measure, "sample_answers", lambda *a: sampled.append(a[1]) or sample_answers(*a)
+    )
+    audit = _live_audit(
+        recipe, policy.tokenizer, policy.reference, load_scorer(recipe, run, cpu), generator
+    )
+    actor = SimpleNamespace(policy=policy.model)
+    first, second = audit(actor), audit(actor)
+    assert len(sampled) == 3  # the policy, the reference, the policy again
+    # the kept answers are the ones the reference gives from the same seeds: the same report
+    assert second == first
+    refs = [s["reference"] for s in first["samples"]]
+    assert len(refs) == first["n_responses"] and any(refs)
+    words = sum(len(r.split()) for r in refs) / len(refs)
+    assert first["avg_reference_len"] == pytest.approx(words)
+
+
 # ── merge ─────────────────────────────────────────────────────────────────────────────────────
 
 
