@@ -60,9 +60,7 @@ sessions. The SFT and reward models are trained once per work folder (`--work`).
 default grid, the runs file also holds `ours-gae-full` at β 0.005 (lr 1e-3, 3 seeds: `--methods
 ours-gae-full --lrs 1e-3 --kls 0.005`): at β 0.02 its k1 reward penalty holds it to half the KL
 grpo reaches, and this point compares them at the same KL; on SmolLM2 the same at lr 3e-4
-(`--policy smollm2-135m --methods ours-gae-full --lrs 3e-4 --kls 0.005`), and the three SmolLM2
-methods at β 0.1, lr 1e-3, seeds 0 and 1 only so far (`--policy smollm2-135m --lrs 1e-3 --kls
-0.1` adds seed 2; until then these points count as incomplete).
+(`--policy smollm2-135m --methods ours-gae-full --lrs 3e-4 --kls 0.005`).
 
 This file is rebuilt from the runs file at the end of every invocation (alone with
 `--summarise-only`), from the runs at each policy's budget (`--budget` for `--policy`, the
@@ -153,7 +151,7 @@ class Grid(NamedTuple):
 POLICIES = {
     "tiny": Grid(1024, GRID, (1e-4, 3e-4, 1e-3), (0.02, 0.1)),
     "smollm2-135m": Grid(256, ("ours-grpo-full", "ours-gae-full", "trl-grpo-dr_grpo"),
-                         (3e-4, 1e-3), (0.02,)),
+                         (3e-4, 1e-3), (0.02, 0.1)),
 }  # fmt: skip
 KEY = ("policy", "method", "lr", "kl_coef", "seed", "budget")
 
