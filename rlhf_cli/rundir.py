@@ -262,14 +262,36 @@ class RunDir:
         }
 
     def resolve_output(self, stage: str, manifest: Manifest, name: str) -> Path:
-        """Absolute path of output `name` declared in a stage's manifest."""
+        """Absolute path of output `name` declared in a stage's manifest; StageError when it is
+        gone or its safetensors weights are cut short or garbled (their headers are read)."""
         try:
-            return self.stage_dir(stage) / manifest["outputs"][name]
+            path = self.stage_dir(stage) / manifest["outputs"][name]
         except KeyError:
             raise StageError(
                 f"the {stage} manifest of run '{self.name}' lists no output "
                 f"'{name}': run `{STAGE_COMMANDS[stage]}` again"
             ) from None
+        problem = output_problem(path)
+        if problem is not None:
+            raise StageError(f"{problem}: run `{STAGE_COMMANDS[stage]}` again")
+        return path
+
+
+def output_problem(path: Path) -> str | None:
+    """What is wrong with a stage output (None: nothing seen): missing, or a safetensors file
+    in it whose header does not parse or does not cover the file (a cut-short write)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.exists():
+        return f"{path} is missing"
+    weights = [path] if path.suffix == ".safetensors" else sorted(path.glob("*.safetensors"))
+    for file in weights:
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            return f"{file} is damaged ({exc})"
+    return None
 
 
 def recipe_near(path: Path | None) -> Path | None:

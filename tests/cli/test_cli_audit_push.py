@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from rlhf_cli.cli import app
@@ -149,7 +150,7 @@ def merged_run(make_recipe, chdir_tmp) -> tuple[Path, RunDir]:
     model = run.stage_dir("merged") / "model"
     model.mkdir(parents=True)
     (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"placeholder")
+    save_file({}, str(model / "model.safetensors"))  # whole, and holding no weights
     run.manifest_path("merged").write_text(
         json.dumps(
             {"stage": "merged", "status": "completed", "outputs": {"model": "model"}, "metrics": {}}

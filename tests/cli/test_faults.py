@@ -28,10 +28,18 @@ def invoke(*args: str):
 
 
 def completed(run: RunDir, stage: str, recipe, outputs: dict[str, str]) -> dict:
-    """A completed stage as the run directory records it."""
+    """A completed stage as the run directory records it (its outputs empty folders)."""
     with StageRecord(run, stage, recipe, inputs={}) as record:
-        record.manifest["outputs"] = outputs
+        declare(record, outputs)
     return run.read_manifest(stage)
+
+
+def declare(record: StageRecord, outputs: dict[str, str]) -> None:
+    """`outputs` in the stage's manifest, each folder (a name without a suffix) made empty."""
+    for name in outputs.values():
+        if not Path(name).suffix:
+            (record.dir / name).mkdir(exist_ok=True)
+    record.manifest["outputs"] = outputs
 
 
 # ── results lost ──────────────────────────────────────────────────────────────────────────────
@@ -138,11 +146,11 @@ def test_a_policy_trained_on_a_replaced_sft_is_refused(make_recipe, chdir_tmp, m
     completed(run, "rm", recipe, {"model": "model", "tokenizer": "model"})
     inputs = {"sft": run.input_record("sft"), "rm": run.input_record("rm")}
     with StageRecord(run, "ppo", recipe, inputs=inputs) as record:
-        record.manifest["outputs"] = outputs
+        declare(record, outputs)
     checkpoint = _checkpoint_of(run, inputs)
     merged = {"sft": inputs["sft"], "ppo": run.input_record("ppo")}
     with StageRecord(run, "merged", recipe, inputs=merged) as record:  # made before the re-run
-        record.manifest["outputs"] = {"model": "model", "tokenizer": "model"}
+        declare(record, {"model": "model", "tokenizer": "model"})
     with pytest.raises(ValueError), StageRecord(run, "sft", recipe, {}):
         raise ValueError("a bad value")  # fails before replacing anything
     assert "last_attempt" in run.read_manifest("sft")

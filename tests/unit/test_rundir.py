@@ -261,6 +261,7 @@ def test_a_stage_still_running_says_so(run: RunDir, recipe: Recipe) -> None:
 
 def test_require_completed_returns_manifest_and_input_record(run: RunDir, recipe: Recipe) -> None:
     with StageRecord(run, "sft", recipe, inputs={}) as record:
+        (record.dir / "adapter").mkdir()
         record.manifest["outputs"] = {"adapter": "adapter"}
     manifest = require(run, "sft", needed_by="rlhf ppo")
     assert manifest["status"] == "completed"
@@ -271,6 +272,37 @@ def test_require_completed_returns_manifest_and_input_record(run: RunDir, recipe
     assert record_in["path"] == str(run.stage_dir("sft"))
     assert record_in["manifest_sha256"] == file_sha256(run.manifest_path("sft"))
     assert record_in["finished_at"] == manifest["finished_at"] is not None
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        ("delete", "adapter is missing"),
+        ("cut_header", "adapter_model.safetensors is damaged \\(.*header"),
+        ("cut_data", "adapter_model.safetensors is damaged \\(.*not fully covered"),
+    ],
+)
+def test_a_missing_or_cut_short_output_names_the_file_and_the_command(
+    run: RunDir, recipe: Recipe, damage: str, problem: str
+) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    with StageRecord(run, "ppo", recipe, inputs={}) as record:
+        (record.dir / "adapter").mkdir()
+        save_file({"w": torch.ones(64)}, str(record.dir / "adapter" / "adapter_model.safetensors"))
+        record.manifest["outputs"] = {"adapter": "adapter"}
+    manifest = require(run, "ppo", needed_by="rlhf merge")
+    weights = run.stage_dir("ppo") / "adapter" / "adapter_model.safetensors"
+    assert run.resolve_output("ppo", manifest, "adapter") == weights.parent
+    whole = weights.read_bytes()
+    if damage == "delete":
+        weights.unlink()
+        weights.parent.rmdir()
+    else:
+        weights.write_bytes(whole[:4] if damage == "cut_header" else whole[:-8])
+    with pytest.raises(StageError, match=f"{problem}.*run `rlhf ppo` again"):
+        run.resolve_output("ppo", manifest, "adapter")
 
 
 def test_file_sha256_matches_known_digest(tmp_path: Path) -> None:
