@@ -270,8 +270,9 @@ def plan(
     as_json: JsonOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:
-    """Estimate each stage's peak memory per process and one PPO iteration's time, before
-    anything loads; exit 2 when it does not fit the memory given."""
+    """Estimate each stage's peak memory and one PPO iteration's time; exit 2 if it won't fit.
+
+    Nothing loads: the figures come from the models' configs and the recipe."""
     from rlhf_cli.stages.plan import plan_command
 
     result = plan_command(

@@ -47,7 +47,7 @@ def run_audit(
         device = pick_device(recipe.run.device)
         seed_everything(recipe.run.seed)  # the same audit twice samples the same responses
         check_backend(cfg.generation, recipe.model.quantization.load_in_4bit)
-        policy = load_trained_policy(recipe, run, device, checkpoint)
+        policy = load_trained_policy(recipe, run, device, checkpoint, needed_by="rlhf audit")
         generator = generation_engine(
             cfg.generation, policy.model, policy.tokenizer, recipe, run.path
         )
@@ -61,7 +61,7 @@ def run_audit(
                 chat=recipe.model.prompt_format == "chat",
                 max_tokens=recipe.data.prompts.max_tokens,
                 reference=policy.reference,
-                scorer=load_scorer(recipe, run, device),
+                scorer=load_scorer(recipe, run, device, needed_by="rlhf audit"),
                 generator=generator,
                 seed=recipe.run.seed,
             )

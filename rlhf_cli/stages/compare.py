@@ -27,10 +27,10 @@ def run_compare(recipe: Recipe, prompts: list[str] | None = None) -> list[dict[s
     seed_everything(recipe.run.seed)
     gen = recipe.audit.generation
     check_backend(gen, recipe.model.quantization.load_in_4bit)
-    policy = load_trained_policy(recipe, run, device)
+    policy = load_trained_policy(recipe, run, device, needed_by="rlhf compare")
     if policy.reference is None:
         raise StageError("compare needs the SFT model of the run as reference")
-    scorer = load_scorer(recipe, run, device)
+    scorer = load_scorer(recipe, run, device, needed_by="rlhf compare")
     prompts = prompts or audit_prompts(recipe.audit)
     queries = tokenize_prompts(
         policy.tokenizer,

@@ -117,23 +117,26 @@ def load_trained_policy(
     device: torch.device,
     source: Path | None = None,
     model_cfg: ModelSection | None = None,
+    *,
+    needed_by: str,
 ) -> TrainedPolicy:
-    """The policy at `source` (default: the run's final PPO policy), dropout off, frozen."""
+    """The policy at `source` (default: the run's final PPO policy), dropout off, frozen;
+    `needed_by` (the command) names who asks in the errors of missing stages."""
     model_cfg = model_cfg or recipe.model
     folder = Path(source) if source is not None else run.stage_dir("ppo")
     if source is None:
-        require(run, "ppo", "this command")
+        require(run, "ppo", needed_by)
     if not folder.is_dir():
         what = "is a file, not" if folder.exists() else "does not exist: give"
         raise StageError(f"{folder} {what} a PPO run, checkpoint, adapter or model folder")
     kind = _kind(folder)
     sft_now: dict[str, InputRecord] = {}
-    base, sft_adapter, tok_source = policy_source(recipe, run, sft_now, "this command")
+    base, sft_adapter, tok_source = policy_source(recipe, run, sft_now, needed_by)
     if kind == "checkpoint":
         check_sft_fits(checkpoint_state(folder), sft_now, f"the checkpoint {folder}", "adapter")
     if kind in ("merged", "ppo"):
         owner, stage = RunDir.of_stage_dir(folder)
-        manifest = require(owner, stage, "this command")
+        manifest = require(owner, stage, needed_by)
         if kind == "ppo":
             tok_source = str(owner.resolve_output(stage, manifest, "tokenizer"))
         kind = "adapter" if "adapter" in manifest["outputs"] else "model"
@@ -166,7 +169,9 @@ def load_trained_policy(
     return TrainedPolicy(freeze(model), Reference(model), tokenizer, label)
 
 
-def load_scorer(recipe: Recipe, run: RunDir, device: torch.device) -> RewardScorer | None:
+def load_scorer(
+    recipe: Recipe, run: RunDir, device: torch.device, *, needed_by: str
+) -> RewardScorer | None:
     """The run's reward (model and functions) as a scorer; None when the run has none (no `rm`
     stage, no `reward.pretrained`, no functions). A failed or damaged `rm` stage is an error,
     not a silent None."""
@@ -176,7 +181,7 @@ def load_scorer(recipe: Recipe, run: RunDir, device: torch.device) -> RewardScor
         return None
     if no_model:
         return frozen_scorer(cfg, None, None, device)
-    path, tok = reward_source(recipe, run, {}, "this command")
+    path, tok = reward_source(recipe, run, {}, needed_by)
     return frozen_scorer(recipe.reward, path, tok, device)
 
 

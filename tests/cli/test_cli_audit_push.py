@@ -112,6 +112,14 @@ def test_audit_responses_missing_file_exits_2(make_recipe, chdir_tmp) -> None:
     assert_one_line_error(result, "file not found", "nope.jsonl")
 
 
+@pytest.mark.parametrize("command", ["audit", "compare"])
+def test_a_command_run_before_ppo_names_itself_and_what_to_run(
+    make_recipe, chdir_tmp, command
+) -> None:
+    result = invoke(command, "--recipe", str(make_recipe()))
+    assert_one_line_error(result, f"rlhf {command} needs the ppo stage", "run `rlhf ppo` first")
+
+
 @pytest.mark.parametrize(
     ("rows", "needle"),
     [

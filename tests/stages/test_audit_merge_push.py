@@ -165,7 +165,7 @@ def test_in_training_audit_samples_the_frozen_reference_once(
     from rlhf_cli.stages.trained import generation_engine, load_scorer, load_trained_policy
 
     recipe, run, cpu = trained.recipe, trained.run, torch.device("cpu")
-    policy = load_trained_policy(recipe, run, cpu, None)
+    policy = load_trained_policy(recipe, run, cpu, None, needed_by="rlhf audit")
     generator = generation_engine(
         recipe.audit.generation, policy.model, policy.tokenizer, recipe, run.path
     )
@@ -174,9 +174,8 @@ def test_in_training_audit_samples_the_frozen_reference_once(
     monkeypatch.setattr(
         measure, "sample_answers", lambda *a: sampled.append(a[1]) or sample_answers(*a)
     )
-    audit = _live_audit(
-        recipe, policy.tokenizer, policy.reference, load_scorer(recipe, run, cpu), generator
-    )
+    scorer = load_scorer(recipe, run, cpu, needed_by="rlhf audit")
+    audit = _live_audit(recipe, policy.tokenizer, policy.reference, scorer, generator)
     actor = SimpleNamespace(policy=policy.model)
     first, second = audit(actor), audit(actor)
     assert len(sampled) == 3  # the policy, the reference, the policy again

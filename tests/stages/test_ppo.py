@@ -455,9 +455,9 @@ def test_4bit_ppo_on_a_lora_sft_stacks_its_adapter_over_the_sft_one(tmp_path, sm
     ]
 
     ids = torch.randint(10, 200, (2, 12), generator=torch.Generator().manual_seed(0))
-    final = load_trained_policy(recipe, run, cpu)
+    final = load_trained_policy(recipe, run, cpu, needed_by="rlhf audit")
     checkpoint = run.stage_dir("ppo") / "checkpoints" / "iter_00002"
-    at_checkpoint = load_trained_policy(recipe, run, cpu, source=checkpoint)
+    at_checkpoint = load_trained_policy(recipe, run, cpu, source=checkpoint, needed_by="rlhf audit")
     base, sft_adapter, _ = policy_source(recipe, run, {})
     frozen = load_causal_lm(base, recipe.model.variant(lora=False), cpu, trainable=False)
     sft = PeftModel.from_pretrained(frozen, str(sft_adapter)).eval()

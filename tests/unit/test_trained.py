@@ -13,15 +13,15 @@ from rlhf_cli.stages.trained import generation_engine, load_scorer
 
 def test_no_reward_stage_means_no_scores_but_a_damaged_one_is_an_error(make_recipe):
     recipe = load_recipe(make_recipe())
-    run = RunDir.for_recipe(recipe)
-    assert load_scorer(recipe, run, torch.device("cpu")) is None  # nothing to score with
+    run, cpu = RunDir.for_recipe(recipe), torch.device("cpu")
+    assert load_scorer(recipe, run, cpu, needed_by="rlhf audit") is None  # nothing to score with
     run.stage_dir("rm").mkdir(parents=True)
     run.manifest_path("rm").write_text('{"stage": "rm", "status": "compl')  # cut short
     with pytest.raises(StageError, match=r"rm/manifest.json is unreadable.*rlhf train-rm"):
-        load_scorer(recipe, run, torch.device("cpu"))
+        load_scorer(recipe, run, cpu, needed_by="rlhf audit")
     run.manifest_path("rm").write_text('{"stage": "rm", "status": "failed", "outputs": {}}')
-    with pytest.raises(StageError, match="status is 'failed'"):
-        load_scorer(recipe, run, torch.device("cpu"))
+    with pytest.raises(StageError, match="^rlhf compare needs the rm stage.*status is 'failed'"):
+        load_scorer(recipe, run, cpu, needed_by="rlhf compare")
 
 
 @pytest.mark.parametrize(("native_bf16", "dtype"), [(False, torch.float32), (True, torch.bfloat16)])
