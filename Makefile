@@ -95,7 +95,7 @@ bench-peer: $(STAMP)
 # TRL's RLOO and GRPO (three loss types), 3 learning rates x 2 KL coefficients x 3 seeds, every
 # run its own process, each recorded in bench/learn_runs.jsonl as it ends (rerun to resume the
 # grid): bench/learn.json. LEARN_POLICY=smollm2-135m for the real model's smaller grid (3
-# methods, two lrs and one KL coefficient, 256 completions a run).
+# methods, the same lrs and KL coefficients, 256 completions a run).
 LEARN_POLICY ?= tiny
 bench-learn: $(STAMP)
 	$(PY) bench/bench_learn.py --policy $(LEARN_POLICY) --out bench/learn.json
