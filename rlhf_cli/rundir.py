@@ -241,11 +241,9 @@ class RunDir:
         try:
             manifest = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise StageError(
-                f"{path} is unreadable ({exc.__class__.__name__}): run "
-                f"`{STAGE_COMMANDS.get(stage, 'the ' + stage + ' stage')}` "
-                "again"
-            ) from None
+            command = STAGE_COMMANDS.get(stage)
+            hint = f"run `{command}` again" if command else "move it aside or write it again"
+            raise StageError(f"{path} is unreadable ({exc.__class__.__name__}): {hint}") from None
         if not isinstance(manifest, dict):
             raise StageError(f"{path} is not a manifest (a JSON object)")
         return manifest

@@ -83,6 +83,24 @@ def test_a_damaged_latest_pointer_is_one_clear_error(tmp_path: Path) -> None:
         RunDir.latest(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("stage", "hint"),
+    [("ppo", "run `rlhf ppo` again"), ("ckpt", "move it aside or write it again")],
+)
+def test_a_damaged_manifest_says_how_to_recover_for_a_stage_and_for_another_folder(
+    tmp_path: Path, stage: str, hint: str
+) -> None:
+    """A stage's folder names its command; a folder of another name (a checkpoint given to
+    `rlhf audit`) has none to name."""
+    run = RunDir(tmp_path / "runs", "r")
+    run.manifest_path(stage).parent.mkdir(parents=True)
+    run.manifest_path(stage).write_text("{garbage")
+    with pytest.raises(
+        StageError, match=rf"manifest.json is unreadable \(JSONDecodeError\): {hint}$"
+    ):
+        run.read_manifest(stage)
+
+
 def test_the_manifest_type_declares_every_key_a_stage_record_writes(
     run: RunDir, recipe: Recipe
 ) -> None:
