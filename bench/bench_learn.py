@@ -17,8 +17,8 @@ with "grpo" (`trl-grpo-grpo`). Two policies (`--policy`), each with its default 
 - `smollm2-135m`: SmolLM2-135M-Instruct (`builtin:smollm2-135m`, dequantized once into a float
   folder), no SFT (it is instruction-tuned already), prompts of at most 96 tokens (its chat
   template's default system prompt takes about 30; recipes/smollm2-135m.yaml's data settings);
-  a smaller grid, as a run takes 10 to 13 min on a 2-core CPU (the tiny grid's 144 runs would be
-  about a day): default budget 256 completions, three methods (our grpo and GAE with the full
+  a smaller grid, as a run takes 10 to 13 min on a 2-core CPU (the tiny grid's 234 runs would be
+  about two days): default budget 256 completions, three methods (our grpo and GAE with the full
   support, TRL's best on the tiny task, GRPO `dr_grpo`) at lr 1e-4, 3e-4 and 1e-3 and β 0.02
   and 0.1.
 
