@@ -5,22 +5,26 @@ Methods (the keys): our PPO (`rlhf_cli.stages.ppo.run_ppo`) with `advantage_esti
 `ours-gae`, `ours-rloo`, `ours-grpo` and `ours-reinforce_pp` (the sampled log-prob support but
 for reinforce_pp), the first three again with `logprob_support: full` (`ours-gae-full`,
 `ours-rloo-full`, `ours-grpo-full`), grpo with Dr. GRPO's aggregation as well
-(`ours-grpo-dr`) and with DAPO's clip-higher (`ours-grpo-full-ch`: `cliprange_high` 0.28), plus
-variants screened at one point only (`OURS`, last block); TRL's
+(`ours-grpo-dr`), with DAPO's clip-higher (`ours-grpo-full-ch`: `cliprange_high` 0.28) and with
+the KL loss weighted by π/π_old (`ours-grpo-full-ukl`: `kl_importance_weight`, the schema's
+default since; every other grpo method runs the plain k3 term, `kl_importance_weight: false`),
+plus variants screened at one point only (`OURS`, last block); TRL's
 `RLOOTrainer` (`trl-rloo`) and `GRPOTrainer` with its default `loss_type` (`trl-grpo`: "dapo" in
 TRL 1.x, the loss_type used is recorded with each run), with "dr_grpo" (`trl-grpo-dr_grpo`) and
-with "grpo" (`trl-grpo-grpo`). Two policies (`--policy`), each with its default grid
+with "grpo" (`trl-grpo-grpo`), all with TRL's default `use_bias_correction_kl` (the same weighting),
+and one check off the default grid: "grpo" without it (`trl-grpo-grpo-plainkl`, tiny, β 0.1:
+TRL with our old plain k3 term). Two policies (`--policy`), each with its default grid
 (`POLICIES`):
 - `tiny` (default): the tiny recipe's SFT model (`rlhf sft` on recipes/tiny.yaml, fully
   fine-tuned), prompts of at most 64 tokens; default budget 1024 completions; every method but
-  the screened ones (`GRID`) at lr 1e-4, 3e-4 and 1e-3 and β 0.02 and 0.1;
+  the screened ones and the check (`GRID`) at lr 1e-4, 3e-4 and 1e-3 and β 0.02 and 0.1;
 - `smollm2-135m`: SmolLM2-135M-Instruct (`builtin:smollm2-135m`, dequantized once into a float
   folder), no SFT (it is instruction-tuned already), prompts of at most 96 tokens (its chat
   template's default system prompt takes about 30; recipes/smollm2-135m.yaml's data settings);
-  a smaller grid, as a run takes 10 to 13 min on a 2-core CPU (the tiny grid's 234 runs would be
-  about two days): default budget 256 completions, three methods (our grpo and GAE with the full
-  support, TRL's best on the tiny task, GRPO `dr_grpo`) at lr 1e-4, 3e-4 and 1e-3 and β 0.02
-  and 0.1.
+  a smaller grid, as a run takes 10 to 13 min on a 2-core CPU (the tiny grid's 252 runs would be
+  about two days): default budget 256 completions, four methods (our grpo and GAE with the full
+  support, grpo with the weighted KL loss, TRL's best on the tiny task, GRPO `dr_grpo`) at lr
+  1e-4, 3e-4 and 1e-3 and β 0.02 and 0.1.
 
 Every run of a policy gets:
 - the same policy with a fresh LoRA adapter (r 16, alpha 32, on the seven proj modules, dropout
@@ -71,7 +75,7 @@ default for the other) and the seeds of `--seeds`:
   wall time, with the seed spread (population std, `kl_spread`, `gain_spread`);
 - `pareto[policy][method]`: the points no other point of that method dominates (at least the
   gain at no more KL, better in one), by KL;
-- `comparison[policy]`: TRL GRPO's best point (highest mean gain over its three loss types),
+- `comparison[policy]`: TRL GRPO's best point (highest mean gain over its `trl-grpo*` methods),
   our best point (any of our methods) at no more mean KL, the difference of their mean gains,
   whether it is within the larger of their seed spreads, and whether ours reaches TRL's gain;
   under `gae` the same for the best point of our GAE methods against our best point at any KL;
@@ -101,7 +105,8 @@ MARK = "BENCH-LEARN-RESULT "
 BATCH, MINI, EPOCHS, NEW_TOKENS, GROUP, HELDOUT = 32, 8, 4, 32, 4, 0.2
 EVAL_SAMPLES, EVAL_SEED = 4, 1234
 _GROUPED = {"num_generations": GROUP, "adaptive_kl": False}
-_GRPO = {"advantage_estimator": "grpo", **_GROUPED, "kl_in": "loss", "kl_estimator": "k3"}
+_KL_LOSS = {"kl_in": "loss", "kl_estimator": "k3"}
+_GRPO = {"advantage_estimator": "grpo", **_GROUPED, **_KL_LOSS, "kl_importance_weight": False}
 FULL = {"logprob_support": "full"}
 CLIP_HIGH = {"cliprange_high": 0.28}  # DAPO's clip-higher
 OURS = {  # the four estimators as first measured: the sampled support, except reinforce_pp
@@ -118,9 +123,10 @@ OURS |= {  # the same with the temperature-only support, and Dr. GRPO's aggregat
     "ours-grpo-full": {**_GRPO, **FULL},
     "ours-grpo-dr": {**_GRPO, **FULL, "loss_aggregation": "seq_mean_token_sum_norm"},
     "ours-grpo-full-ch": {**_GRPO, **FULL, **CLIP_HIGH},
+    "ours-grpo-full-ukl": {**_GRPO, **FULL, "kl_importance_weight": True},  # TRL's KL gradient
 }
 SCREENED = {  # tried at one point only (lr 1e-3, β 0.02, seed 0), not carried further
-    "ours-gae-full-k3loss": {**OURS["ours-gae-full"], "kl_in": "loss", "kl_estimator": "k3"},
+    "ours-gae-full-k3loss": {**OURS["ours-gae-full"], **_KL_LOSS, "kl_importance_weight": False},
     "ours-gae-lam1": {**OURS["ours-gae"], "lam": 1.0},
     "ours-gae-full-lam1": {**OURS["ours-gae-full"], "lam": 1.0},
     "ours-gae-full-vf05": {**OURS["ours-gae-full"], "vf_coef": 0.5},
@@ -136,8 +142,10 @@ TRL = {  # GRPOConfig / RLOOConfig settings of each TRL method beyond the shared
     "trl-grpo-dr_grpo": {"loss_type": "dr_grpo"},
     "trl-grpo-grpo": {"loss_type": "grpo"},
 }
+CHECKS = {"trl-grpo-grpo-plainkl": {"loss_type": "grpo", "use_bias_correction_kl": False}}
+TRL |= CHECKS
 METHODS = (*OURS, *TRL)
-GRID = tuple(m for m in METHODS if m not in SCREENED)
+GRID = tuple(m for m in METHODS if m not in SCREENED and m not in CHECKS)
 
 
 class Grid(NamedTuple):
@@ -151,8 +159,10 @@ class Grid(NamedTuple):
 
 POLICIES = {
     "tiny": Grid(1024, GRID, (1e-4, 3e-4, 1e-3), (0.02, 0.1)),
-    "smollm2-135m": Grid(256, ("ours-grpo-full", "ours-gae-full", "trl-grpo-dr_grpo"),
-                         (1e-4, 3e-4, 1e-3), (0.02, 0.1)),
+    "smollm2-135m": Grid(
+        256, ("ours-grpo-full", "ours-grpo-full-ukl", "ours-gae-full", "trl-grpo-dr_grpo"),
+        (1e-4, 3e-4, 1e-3), (0.02, 0.1),
+    ),
 }  # fmt: skip
 KEY = ("policy", "method", "lr", "kl_coef", "seed", "budget")
 

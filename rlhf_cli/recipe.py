@@ -570,6 +570,14 @@ class PpoSection(Section):
         "Where β·KL goes: subtracted from the per-token rewards (Ziegler et al., InstructGPT), "
         "or added to the policy loss as a differentiable term (GRPO, usually with k3).",
     )
+    kl_importance_weight: bool = _f(
+        True,
+        "With `kl_in: loss`, weight each token's KL estimate by the differentiable ratio "
+        "π/π_old, so that with k1 or k3 the term's gradient is that of KL(π‖π_ref), the KL "
+        "`objective/kl` and the evaluation measure (DeepSeek-V3.2; TRL's "
+        "`use_bias_correction_kl`, on by default). false: the plain estimate, whose gradient "
+        "is KL(π_ref‖π)'s with k3 and 0 in expectation with k1.",
+    )
     cliprange: float = _f(
         0.2, "ε of the clipped surrogate (the lower ε when `cliprange_high` is set).", gt=0.0
     )

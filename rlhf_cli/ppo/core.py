@@ -186,7 +186,13 @@ def _last_valid_index(mask: Tensor) -> tuple[Tensor, Tensor]:
     return idx.clamp(min=0), has_any
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str) -> Tensor:
+def kl_estimate(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    estimator: str,
+    old_logprobs: Tensor | None = None,
+) -> Tensor:
     """Per-token estimates of KL(π‖π_ref) on tokens sampled from π. [Schulman 2020,
     "Approximating KL divergence"; GRPO (Shao et al. 2024) uses k3 in its loss]
 
@@ -196,13 +202,20 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator:
         k2 = (log r)^2 / 2          biased, low variance, >= 0
         k3 = (r - 1) - log r        unbiased, >= 0
 
-    Differentiable in both arguments (the loss placement backpropagates through it).
+    Differentiable in both arguments (the loss placement backpropagates through it). As a loss
+    on tokens sampled from π_old the plain estimate has the wrong gradient: k3's is the
+    gradient of KL(π_ref‖π), k1's is 0 in expectation (k2's is KL(π‖π_ref)'s). With
+    ``old_logprobs`` each token's estimate is weighted by the differentiable ratio
+    ``ρ = π/π_old`` (1 in value on-policy); the gradient of ``ρ·k1`` or ``ρ·k3`` is then that of
+    KL(π‖π_ref), unbiased. [DeepSeek-AI 2025, "DeepSeek-V3.2", arXiv 2512.02556, the unbiased
+    KL estimate; TRL ``use_bias_correction_kl``, on by default]
 
     Args:
         logprobs: ``(b, response_len)`` log-probs of the policy.
         ref_logprobs: ``(b, response_len)`` log-probs of the reference.
         mask: ``(b, response_len)`` bool or 0/1, True = valid.
         estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        old_logprobs: ``(b, response_len)`` log-probs of the policy that sampled, or None.
 
     Returns:
         ``(b, response_len)``, 0 at masked positions.
@@ -216,6 +229,8 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator:
         kl = torch.expm1(log_r) - log_r
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}")
+    if old_logprobs is not None:
+        kl = kl * torch.exp(logprobs - old_logprobs)
     return torch.where(_bool_mask(mask), kl, torch.zeros_like(kl))
 
 

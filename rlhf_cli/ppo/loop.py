@@ -186,10 +186,11 @@ def minibatch_loss(
     """The PPO loss of rollouts `idx` (b_mb of them) under the current policy, and its parts:
     the clipped surrogate (`cliprange`, `cliprange_high`), the clipped value loss (with a
     critic), the entropy bonus, and with `kl_in: loss` β × the KL estimate to the reference
-    (differentiable, GRPO's placement). Each loss term is aggregated over this process's rows
-    as `loss_aggregation` says (verl's `agg_loss` does the same for all its terms), so one
-    share weighs them all (`distributed.minibatch_shares`); the logged clip fractions, entropy
-    and approx-KL are token means.
+    (differentiable, GRPO's placement; weighted by π/π_old with `kl_importance_weight`). Each
+    loss term is aggregated over this process's rows as `loss_aggregation` says (verl's
+    `agg_loss` does the same for all its terms), so one share weighs them all
+    (`distributed.minibatch_shares`); the logged clip fractions, entropy and approx-KL are token
+    means.
 
     Log-probs are those of `logprob_support` (generation.response_logprobs). The entropy bonus
     stays out of the autograd graph when its coefficient is 0: at a 32k vocabulary it would
@@ -224,7 +225,8 @@ def minibatch_loss(
         parts["ppo/loss/value"] = vf_loss
     if cfg.kl_in == "loss" and rollout.ref_logprobs is not None:  # none ran at β = 0
         ref = rollout.ref_logprobs[idx]
-        kl = core.kl_estimate(logprobs, ref, mask, cfg.kl_estimator)
+        weigh = old if cfg.kl_importance_weight else None
+        kl = core.kl_estimate(logprobs, ref, mask, cfg.kl_estimator, weigh)
         kl_loss = core.aggregate_loss(kl, mask, **how)
         loss = loss + kl_coef * kl_loss
         parts["ppo/loss/kl"] = kl_loss

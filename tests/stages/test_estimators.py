@@ -1,7 +1,7 @@
 """`ppo.advantage_estimator` on the tiny recipe: each critic-free estimator completes, builds
 and saves no value model, and learns (the issue's bar: the last fifth's mean training reward
 above the first iteration's by half that iteration's reward std). GRPO runs with its own
-placement of the KL: k3 in the loss.
+placement of the KL: k3 in the loss, weighted by π/π_old (`kl_importance_weight`, the default).
 
 Each run also learns with one of the loss options the field pairs with it, so they cost no run
 of their own: GRPO with its paper's per-response token mean; RLOO as DAPO trains (token mean,

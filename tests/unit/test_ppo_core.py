@@ -638,6 +638,54 @@ def test_k3_is_unbiased_and_k1_k3_agree_in_expectation() -> None:
     assert float((p * kl_estimate(logp, logq, ones, "k2")[0]).sum()) != pytest.approx(kl)
 
 
+def test_importance_weighted_kl_by_hand() -> None:
+    """ρ·k with ρ = π/π_old: the value is k·ρ, and at ρ = 1 k3's token gradient gains k3 itself
+    (d/dlogπ of ρ·k3 = k3 + 1 − r, against 1 − r plain, r = π_ref/π)."""
+    old = LOGP.clone()
+    logp = LOGP.clone().requires_grad_(True)
+    weighted = kl_estimate(logp, REF, MASK3, "k3", old)
+    k3 = [0.5 - 1 + math.log(2), 2 - 1 - math.log(2)]
+    assert_close(weighted.detach(), t([k3[0], k3[1], 0.0]))  # ρ = 1 in value
+    weighted.sum().backward()
+    assert_close(logp.grad, t([k3[0] + 1 - 0.5, k3[1] + 1 - 2.0, 0.0]))
+    off = kl_estimate(LOGP, REF, MASK3, "k1", LOGP - t([math.log(2), 0.0, 0.0]))
+    assert_close(off, t([2 * math.log(2), -math.log(2), 0.0]))  # ρ = 2, 1
+
+
+def _expected_kl_gradient(estimator: str, weighted: bool) -> tuple[torch.Tensor, ...]:
+    """The exact expectation over x ~ π = softmax(θ) of ∇θ k(x) (of ∇θ ρ(x)·k(x) when
+    weighted), with the sampling distribution held fixed, as the loss sees it; and the exact
+    ∇θ KL(π‖q), ∇θ KL(q‖π)."""
+    theta = torch.tensor([0.3, -0.2, 0.9, 0.0], dtype=torch.float64, requires_grad=True)
+    logq = torch.log_softmax(torch.tensor([0.1, 0.4, -0.5, 0.2], dtype=torch.float64), 0)
+    logp = torch.log_softmax(theta, 0)
+    p, ones = logp.exp().detach(), torch.ones(1, 4, dtype=torch.bool)
+    old = logp.detach()[None] if weighted else None
+    k = kl_estimate(logp[None], logq[None], ones, estimator, old)[0]
+    (surrogate,) = torch.autograd.grad((p * k).sum(), theta, retain_graph=True)
+    (forward,) = torch.autograd.grad((logp.exp() * (logp - logq)).sum(), theta, retain_graph=True)
+    (reverse,) = torch.autograd.grad((logq.exp() * (logq - logp)).sum(), theta)
+    return surrogate, forward, reverse
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_importance_weighted_kl_has_the_gradient_of_kl_to_the_reference(estimator: str) -> None:
+    surrogate, forward, _ = _expected_kl_gradient(estimator, weighted=True)
+    assert_close(surrogate, forward)
+    assert forward.abs().max() > 0.05
+
+
+def test_plain_k3_in_the_loss_follows_the_reverse_kl_and_plain_k1_nothing() -> None:
+    """Why the weighting is the default: unweighted, k3's gradient is that of KL(π_ref‖π), not
+    of the KL(π‖π_ref) that is measured, and k1's is 0 in expectation (k2's is right)."""
+    k3, forward, reverse = _expected_kl_gradient("k3", weighted=False)
+    assert_close(k3, reverse)
+    assert (k3 - forward).abs().max() > 0.01
+    zero = torch.zeros(4, dtype=torch.float64)
+    assert_close(_expected_kl_gradient("k1", weighted=False)[0], zero)
+    assert_close(_expected_kl_gradient("k2", weighted=False)[0], forward)
+
+
 def test_kl_penalty_with_k3_and_objective_kl_stays_k1() -> None:
     scores = t(1.0)[0]
     rewards, kl = kl_penalized_rewards(scores, LOGP, REF, MASK3, 0.5, "k3")

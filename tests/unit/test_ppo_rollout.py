@@ -225,6 +225,48 @@ def test_entropy_enters_the_graph_only_when_it_is_in_the_loss(llama_config, entr
     assert_close(parts["ppo/loss/policy"], torch.tensor(-1.0), atol=1e-5, rtol=0)
 
 
+def test_the_kl_loss_is_importance_weighted_unless_switched_off(llama_config):
+    """`kl_importance_weight` reaches the loss: at the rollout's own weights ρ = 1, so the KL
+    loss has the same value either way, and only its gradient differs (by k3's own term)."""
+    import copy
+
+    from rlhf_cli.generation import HFGenerator
+    from rlhf_cli.modeling import Reference
+    from rlhf_cli.ppo.loop import minibatch_loss
+    from rlhf_cli.ppo.rollout import collect_rollout
+    from rlhf_cli.recipe import GenerationSection, PpoSection
+
+    tokenizer, policy = tiny_vocab_policy(llama_config)
+    reference = copy.deepcopy(policy)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    actor = PolicyAndValue(policy, value_head=zero_value_head(32))
+    queries = [tokenizer("hello there friend")["input_ids"]] * 2
+    out = {}
+    for weighted in (True, False):
+        cfg = PpoSection(
+            batch_size=2, mini_batch_size=2, gradient_accumulation_steps=1, kl_in="loss",
+            kl_estimator="k3", kl_importance_weight=weighted, advantage_estimator="grpo",
+            num_generations=2, generation=GenerationSection(max_new_tokens=4, top_p=0.9),
+        )  # fmt: skip
+        torch.manual_seed(0)
+        rollout = collect_rollout(
+            actor, Reference(policy, frozen_copy=reference), _ConstantScorer(),
+            HFGenerator(policy, tokenizer, [tokenizer.eos_token_id]), ["p"] * 2, queries, cfg,
+        )  # fmt: skip
+        actor.train()
+        actor.zero_grad()
+        zeros = torch.zeros_like(rollout.values)  # no policy-gradient term: the KL loss alone
+        loss, parts = minibatch_loss(cfg, actor, rollout, torch.arange(2), zeros, zeros, 1.0)
+        loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
+        out[weighted] = parts["ppo/loss/kl"].detach(), grad
+    assert out[True][0] > 0
+    assert_close(out[True][0], out[False][0])
+    assert not torch.allclose(out[True][1], out[False][1], atol=1e-6)
+
+
 # ── the update's mini-batches: the same global split for one process or N ─────────────────────
 
 
