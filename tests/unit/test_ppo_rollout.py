@@ -85,6 +85,24 @@ class _ConstantScorer:
         return torch.ones(len(prompts)), 0
 
 
+def _greeting_rollout(actor, policy, tokenizer, cfg, rows: int, reference=None):
+    """`rows` answers of `policy` to "hello there friend", each scored 1.0, stopping at EOS;
+    the reference is `reference` (a frozen copy), else the policy itself."""
+    from rlhf_cli.generation import HFGenerator
+    from rlhf_cli.modeling import Reference
+    from rlhf_cli.ppo.rollout import collect_rollout
+
+    return collect_rollout(
+        actor,
+        Reference(policy, frozen_copy=policy if reference is None else reference),
+        _ConstantScorer(),
+        HFGenerator(policy, tokenizer, [tokenizer.eos_token_id]),
+        ["p"] * rows,
+        [tokenizer("hello there friend")["input_ids"]] * rows,
+        cfg,
+    )
+
+
 @pytest.mark.parametrize("stop_on_anything", [True, False])
 def test_missing_eos_penalty_hits_only_responses_that_never_end(stop_on_anything, llama_config):
     from rlhf_cli.generation import HFGenerator
@@ -133,9 +151,7 @@ def test_the_mismatch_check_keeps_the_samplers_distribution_whatever_the_support
     softmax's, below the nucleus's renormalised ones by log(1 / nucleus mass); the mismatch
     still compares the sampler with the training forward under the sampler's distribution,
     so it stays float noise with either support."""
-    from rlhf_cli.generation import HFGenerator
-    from rlhf_cli.modeling import Reference
-    from rlhf_cli.ppo.rollout import collect_rollout, logprob_mismatch
+    from rlhf_cli.ppo.rollout import logprob_mismatch
     from rlhf_cli.recipe import GenerationSection, PpoSection
 
     tokenizer, policy = tiny_vocab_policy(llama_config)
@@ -147,15 +163,8 @@ def test_the_mismatch_check_keeps_the_samplers_distribution_whatever_the_support
         logprob_support=support,
         generation=GenerationSection(max_new_tokens=6, temperature=1.0, top_p=0.8),
     )
-    rollout = collect_rollout(
-        PolicyAndValue(policy, value_head=zero_value_head(32)),
-        Reference(policy, frozen_copy=policy),
-        _ConstantScorer(),
-        HFGenerator(policy, tokenizer, [tokenizer.eos_token_id]),
-        ["p"] * 4,
-        [tokenizer("hello there friend")["input_ids"]] * 4,
-        cfg,
-    )
+    actor = PolicyAndValue(policy, value_head=zero_value_head(32))
+    rollout = _greeting_rollout(actor, policy, tokenizer, cfg, 4)
     mask = rollout.response_mask
     assert logprob_mismatch(rollout) < 1e-4
     gap = (rollout.warped_logprobs - rollout.logprobs)[mask]
@@ -191,10 +200,7 @@ def test_scores_are_penalised_then_normalised_then_clipped():
 def test_entropy_enters_the_graph_only_when_it_is_in_the_loss(llama_config, entropy_coef):
     """At entropy_coef 0 the entropy is measured without autograd: a (b, r, vocab) softmax is
     not kept for a backward pass that would multiply it by 0."""
-    from rlhf_cli.generation import HFGenerator
-    from rlhf_cli.modeling import Reference
     from rlhf_cli.ppo.loop import minibatch_loss
-    from rlhf_cli.ppo.rollout import collect_rollout
     from rlhf_cli.recipe import GenerationSection, PpoSection
 
     tokenizer, policy = tiny_vocab_policy(llama_config)
@@ -206,16 +212,7 @@ def test_entropy_enters_the_graph_only_when_it_is_in_the_loss(llama_config, entr
         entropy_coef=entropy_coef,
         generation=GenerationSection(max_new_tokens=4, temperature=1.0, top_p=0.9),
     )
-    queries = [tokenizer("hello there friend")["input_ids"]] * 2
-    rollout = collect_rollout(
-        actor,
-        Reference(policy, frozen_copy=policy),
-        _ConstantScorer(),
-        HFGenerator(policy, tokenizer, [tokenizer.eos_token_id]),
-        ["p"] * 2,
-        queries,
-        cfg,
-    )
+    rollout = _greeting_rollout(actor, policy, tokenizer, cfg, 2)
     actor.train()
     ones = torch.ones_like(rollout.values)
     loss, parts = minibatch_loss(cfg, actor, rollout, torch.arange(2), ones, ones)
@@ -230,10 +227,7 @@ def test_the_kl_loss_is_importance_weighted_unless_switched_off(llama_config):
     loss has the same value either way, and only its gradient differs (by k3's own term)."""
     import copy
 
-    from rlhf_cli.generation import HFGenerator
-    from rlhf_cli.modeling import Reference
     from rlhf_cli.ppo.loop import minibatch_loss
-    from rlhf_cli.ppo.rollout import collect_rollout
     from rlhf_cli.recipe import GenerationSection, PpoSection
 
     tokenizer, policy = tiny_vocab_policy(llama_config)
@@ -242,7 +236,6 @@ def test_the_kl_loss_is_importance_weighted_unless_switched_off(llama_config):
         for param in reference.parameters():
             param.add_(0.05 * torch.randn_like(param))
     actor = PolicyAndValue(policy, value_head=zero_value_head(32))
-    queries = [tokenizer("hello there friend")["input_ids"]] * 2
     out = {}
     for weighted in (True, False):
         cfg = PpoSection(
@@ -251,10 +244,7 @@ def test_the_kl_loss_is_importance_weighted_unless_switched_off(llama_config):
             num_generations=2, generation=GenerationSection(max_new_tokens=4, top_p=0.9),
         )  # fmt: skip
         torch.manual_seed(0)
-        rollout = collect_rollout(
-            actor, Reference(policy, frozen_copy=reference), _ConstantScorer(),
-            HFGenerator(policy, tokenizer, [tokenizer.eos_token_id]), ["p"] * 2, queries, cfg,
-        )  # fmt: skip
+        rollout = _greeting_rollout(actor, policy, tokenizer, cfg, 2, reference)
         actor.train()
         actor.zero_grad()
         zeros = torch.zeros_like(rollout.values)  # no policy-gradient term: the KL loss alone
