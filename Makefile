@@ -44,6 +44,7 @@ $(STAMP): pyproject.toml Makefile
 
 demo: $(STAMP)
 	$(RLHF) validate --recipe $(RECIPE) > /dev/null
+	$(RLHF) validate --data --recipe $(RECIPE)   # what each stage will read, in tokens
 	$(RLHF) sft --recipe $(RECIPE)
 	$(RLHF) train-rm
 	$(RLHF) ppo

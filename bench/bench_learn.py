@@ -207,13 +207,13 @@ def evaluate(policy: Any, tokenizer: Any, recipe: Any, work: Path) -> dict[str, 
     import torch
 
     from rlhf_cli.audit.measure import heldout_eval
-    from rlhf_cli.data import load_prompts, split_heldout
+    from rlhf_cli.data import load_prompts, prompt_text, split_heldout
     from rlhf_cli.generation import generator_for, tokenize_prompts
     from rlhf_cli.modeling import Reference
     from rlhf_cli.stages.trained import frozen_scorer
 
-    _, held = split_heldout(load_prompts(recipe.data.prompts, work / ".cache"), HELDOUT)
-    asked = [p for p in held for _ in range(EVAL_SAMPLES)]
+    _, held = split_heldout(load_prompts(recipe.data.prompts, work / ".cache").items, HELDOUT)
+    asked = [prompt_text(p) for p in held for _ in range(EVAL_SAMPLES)]
     queries = tokenize_prompts(tokenizer, asked, True, recipe.data.prompts.max_tokens)
     device = torch.device("cpu")
     scorer = frozen_scorer(
@@ -282,7 +282,7 @@ def run_trl(
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-    from rlhf_cli.data import load_prompts, split_heldout
+    from rlhf_cli.data import load_prompts, prompt_text, split_heldout
     from rlhf_cli.modeling import load_tokenizer, lora_config
     from rlhf_cli.recipe import load_recipe
     from rlhf_cli.stages.trained import frozen_scorer
@@ -292,14 +292,14 @@ def run_trl(
     recipe = load_recipe(path)
     device = torch.device("cpu")
     tokenizer = load_tokenizer(recipe.model.tokenizer, padding_side="left")
-    train, _ = split_heldout(load_prompts(recipe.data.prompts, work / ".cache"), HELDOUT)
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in train]})
+    train, _ = split_heldout(load_prompts(recipe.data.prompts, work / ".cache").items, HELDOUT)
+    dataset = Dataset.from_dict({"prompt": train})
     rm = recipe.reward.pretrained
     scorer = frozen_scorer(recipe.reward, rm, rm, device)
 
     def reward_model_score(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
         """Our scorer: prompt text and stripped completion through the recipe's template."""
-        texts = [p[-1]["content"] for p in prompts]
+        texts = [prompt_text(p) for p in prompts]
         return scorer.score(texts, [c[-1]["content"].strip() for c in completions])[0].tolist()
 
     grpo = method.startswith("trl-grpo")

@@ -220,7 +220,7 @@ def run_theirs(s: Settings, work: Path, tag: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import RLOOConfig, RLOOTrainer
 
-    from rlhf_cli.data import load_prompts
+    from rlhf_cli.data import load_prompts, prompt_text
     from rlhf_cli.modeling import load_tokenizer, lora_config
     from rlhf_cli.recipe import load_recipe
     from rlhf_cli.stages.trained import frozen_scorer
@@ -228,13 +228,13 @@ def run_theirs(s: Settings, work: Path, tag: str) -> dict[str, Any]:
     recipe = load_recipe(write_recipe(s, work, tag, lora=True))
     device = torch.device("cpu")
     tokenizer = load_tokenizer(s.model, padding_side="left")
-    prompts = load_prompts(recipe.data.prompts, cache_dir=work / ".cache")
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts]})
+    prompts = load_prompts(recipe.data.prompts, cache_dir=work / ".cache").items
+    dataset = Dataset.from_dict({"prompt": prompts})
     scorer = frozen_scorer(recipe.reward, s.reward_model, s.reward_model, device)
 
     def reward_model_score(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
         """The same scorer as ours: prompt text and stripped completion through the template."""
-        texts = [p[-1]["content"] for p in prompts]
+        texts = [prompt_text(p) for p in prompts]
         replies = [c[-1]["content"].strip() for c in completions]
         return scorer.score(texts, replies)[0].tolist()
 
@@ -426,7 +426,7 @@ def recipe_facts(s: Settings, work: Path) -> dict[str, Any]:
 
     (work / "facts").mkdir(parents=True, exist_ok=True)
     recipe = load_recipe(write_recipe(s, work / "facts", "facts", lora=True))
-    prompts = load_prompts(recipe.data.prompts, cache_dir=work / "facts" / ".cache")
+    prompts = load_prompts(recipe.data.prompts, cache_dir=work / "facts" / ".cache").items
     lengths = [len(q) for q in tokenize_prompts(load_tokenizer(s.model), prompts, True, 10**6)]
     ppo = recipe.ppo
     return {

@@ -2,7 +2,9 @@
 
 Each parses options, loads the recipe, calls one stage function, prints a summary, and maps known
 errors to exit codes: user mistakes 2 (one line each, no traceback), hacking detected 1, Ctrl-C
-130 (after the stage has saved what it can). Anything else is a bug and keeps its traceback.
+130 (after the stage has saved what it can). Anything else is a bug: exit 70, its traceback in
+`error.log` in the folder of the stage that was running (else of the run, else a file in the
+temp folder), and one stderr line naming the error and that file (`_internal_error`).
 """
 
 from __future__ import annotations
@@ -12,17 +14,25 @@ import functools
 import json
 import logging
 import sys
+import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from rlhf_cli.errors import RecipeError, RlhfError
+from rlhf_cli.errors import (
+    INTERNAL_ERROR,
+    RecipeError,
+    RlhfError,
+    internal_error_line,
+    write_crash_log,
+)
 from rlhf_cli.recipe import Recipe, default_recipe_path, load_recipe
 from rlhf_cli.rundir import Manifest, RunDir, recipe_near
 from rlhf_cli.stopping import sigterm_as_ctrl_c
@@ -128,14 +138,46 @@ def _exit_on_errors(fn: F) -> F:
             raise typer.Exit(130) from None
         except OSError as exc:  # the machine said no: a read-only folder, a file in the way
             if exc.filename is None:
-                raise
+                _internal_error(exc, err, fn.__name__, kwargs)
             reason = exc.strerror or exc.__class__.__name__
             err.print(
                 f"[red]error:[/] {escape(str(exc.filename))}: {escape(reason)}", soft_wrap=True
             )
             raise typer.Exit(2) from None
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise  # click's own ways out (typer.Exit among them), not failures
+        except Exception as exc:  # noqa: BLE001 - a bug: never exit 1, which reads as a result
+            _internal_error(exc, err, fn.__name__, kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _internal_error(exc: Exception, err: Console, name: str, args: dict[str, Any]) -> NoReturn:
+    """A bug: its traceback to a log file, in the folder of the stage that was open (its
+    `StageRecord` names it), else of the run the command's arguments name, else the temp
+    folder; one line on stderr naming the error and the log; exit 70."""
+    command = name.replace("_", "-")
+    log = write_crash_log(exc, getattr(exc, "log_dir", None) or _run_folder(args), command)
+    if log is None:  # nowhere to write it: the traceback is all there is to go on
+        traceback.print_exception(exc)
+    err.print(f"[red]error:[/] {escape(internal_error_line(exc, log))}", soft_wrap=True)
+    raise typer.Exit(INTERNAL_ERROR) from None
+
+
+def _run_folder(args: dict[str, Any]) -> Path | None:
+    """The existing folder of the run a command's arguments name (`run` of status and report,
+    else the recipe they resolve to), found again from them: nothing is kept while a command
+    runs. None when they name no run folder, or finding it fails too."""
+    runs_dir = args.get("runs_dir", Path("runs"))
+    try:
+        if "run" in args:
+            folder = RunDir.named_or_latest(runs_dir, args["run"]).path
+        else:
+            recipe = args.get("recipe") or recipe_near(args.get("checkpoint"))
+            folder = RunDir.for_recipe(resolve_recipe(recipe, runs_dir, args.get("sets"))).path
+    except Exception:  # noqa: BLE001 - already reporting a bug: this only loses the folder
+        return None
+    return folder if folder.is_dir() else None
 
 
 def resolve_recipe(recipe: Path | None, runs_dir: Path, sets: list[str] | None = None) -> Recipe:
@@ -216,16 +258,59 @@ def _stage(
 def validate(
     recipe: RecipeOpt = None,
     sets: SetOpt = None,
+    data: Annotated[
+        bool,
+        typer.Option(
+            "--data",
+            metavar=FLAG,
+            help="Also load each stage's data and tokenizer (no weights) and show rows, layouts, "
+            "token lengths against the recipe's limits, cut and dropped rows, length bias; exit 2 "
+            "when a stage would get no rows.",
+        ),
+    ] = False,
+    row: Annotated[
+        int | None,
+        typer.Option(
+            "--row", min=1, help="With --data: show row N's tokens as each stage reads them."
+        ),
+    ] = None,
+    sample: Annotated[
+        int,
+        typer.Option(
+            "--sample", min=1, help="With --data: rows streamed from a hub dataset and tokenised."
+        ),
+    ] = 2000,
     as_json: JsonOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:
-    """Validate a recipe and print it fully resolved (defaults filled in, --set applied)."""
+    """Validate a recipe and print it fully resolved (defaults filled in, --set applied); with
+    --data, check each stage's data instead."""
     resolved = resolve_recipe(recipe, runs_dir, sets)
     require_trackers(resolved.run.trackers)  # what the training stages would refuse
+    if data:
+        _check_data(resolved, row, sample, as_json)
+        return
     if as_json:
         typer.echo(json.dumps(resolved.model_dump(mode="json"), indent=2))
     else:
         typer.echo(resolved.to_yaml(), nl=False)
+
+
+def _check_data(recipe: Recipe, row: int | None, sample: int, as_json: bool) -> None:
+    from rlhf_cli.errors import DataError
+    from rlhf_cli.stages.datacheck import check_data
+    from rlhf_cli.views import data_check
+
+    quiet_libraries()
+    with _library_output(as_json):
+        result = check_data(recipe, row, sample)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        data_check(result, Console(highlight=False))
+    failed = [f"{stage}: {s['error']}" for stage, s in result["stages"].items() if "error" in s]
+    if failed:
+        raise DataError(f"data check failed: {'; '.join(failed)}")
 
 
 @app.command(cls=_Command)
@@ -510,6 +595,8 @@ def status(
         metrics = row.get("metrics", {})
         numbers = metrics_line(metrics, lambda key: not key.startswith(MEMORY_KEYS))
         memory = _memory_cell(metrics)
+        if "data" in row:
+            numbers += ("\n" if numbers else "") + f"data: {row['data']}"
         table.add_row(row["stage"], shown, row.get("finished_at") or "", memory, numbers)
     out.print(table)
     out.print(f"next: {result['next']}" if result["next"] else "next: nothing to run now")

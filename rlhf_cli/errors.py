@@ -6,15 +6,25 @@ The CLI prints each as one line (no traceback) and exits with its `exit_code`:
   a busy run, data, a model that cannot load as asked) or the machine (a full disk while
   checkpointing), or a check that failed before anything was saved (a merge mismatch, a push
   the hub refused);
-- 3: `NonFiniteError`, training diverged (a checkpoint of the last state was written).
-Ctrl-C exits 130 after the stage has saved what it can. Anything that is not an `RlhfError` is a
-bug and keeps its traceback.
+- 3: `NonFiniteError`, training diverged (a checkpoint of the last state was written);
+- 70 (`INTERNAL_ERROR`, sysexits' EX_SOFTWARE): anything that is not an `RlhfError`, a bug. Its
+  traceback goes to a log file (`write_crash_log`: the stage's folder when a stage was open,
+  else the run's folder, else the system's temp folder) and stderr gets one line naming the
+  error and that file (`internal_error_line`); a CI gate never reads a crash as a result.
+Ctrl-C exits 130 after the stage has saved what it can.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import errno
 import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+INTERNAL_ERROR = 70  # sysexits.h EX_SOFTWARE: an internal software error
 
 
 class RlhfError(Exception):
@@ -102,3 +112,44 @@ class NonFiniteError(RlhfError):
 
 class DoesNotFit(RlhfError):
     """`rlhf plan`: the estimated peak exceeds the memory given (a CI gate before a launch)."""
+
+
+# ── internal errors (bugs): exit 70, the traceback in a log file ─────────────────────────────────
+
+
+def crash_log_name() -> str:
+    """`error.log`, or `error.rank<N>.log` for process N > 0 of a multi-process run (torchrun and
+    accelerate set RANK), so that the ranks do not write over each other's log."""
+    rank = os.environ.get("RANK", "0")
+    return f"error.rank{rank}.log" if rank.isdigit() and int(rank) > 0 else "error.log"
+
+
+def write_crash_log(exc: BaseException, folder: Path | None, command: str) -> Path | None:
+    """Write `exc`'s traceback, after a line naming the time and the command line, to
+    `crash_log_name()` in `folder` when it exists and takes it, else to a new file in the
+    system's temp folder; None when not even that can be written."""
+    text = (
+        f"{dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')} rlhf {command}: "
+        f"{' '.join(sys.argv)}\n\n{''.join(traceback.format_exception(exc))}"
+    )
+    if folder is not None and folder.is_dir():
+        try:
+            (folder / crash_log_name()).write_text(text, encoding="utf-8")
+            return folder / crash_log_name()
+        except OSError:
+            pass  # a read-only folder or a full disk: the temp folder
+    try:
+        fd, name = tempfile.mkstemp(prefix=f"rlhf-{command}-", suffix=".log")
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError:
+        return None
+    return Path(name)
+
+
+def internal_error_line(exc: BaseException, log: Path | None) -> str:
+    """The one line stderr gets for a bug: its type, the first line of its message, the log."""
+    lines = str(exc).strip().splitlines()
+    message = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    where = f"traceback: {log}" if log is not None else "no log could be written"
+    return f"internal error {message} ({where})"

@@ -70,6 +70,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def check_bf16(device: torch.device, field: str, user: str) -> None:
+    """bfloat16 (the recipe field `field` asks it) on a CUDA GPU before Ampere, where torch
+    only emulates it (slowly; asked for, the model gets it) and `user` refuses it with a
+    traceback (vLLM does), is a ModelLoadError naming the field."""
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise ModelLoadError(
+            f"{field} is bfloat16, which {user} refuses on this GPU (it computes bfloat16 "
+            f"natively from Ampere, compute capability 8.0): set {field} to float16 or auto"
+        )
+
+
 def _from_pretrained(cls: Any, path: str, **kwargs: Any) -> Any:
     try:
         return cls.from_pretrained(path, **kwargs)
@@ -286,11 +297,79 @@ def make_trainable(
     if quantised:
         model.requires_grad_(False)
     if model_cfg.lora.enabled:
+        if task_type == "CAUSAL_LM":  # a critic's backbone lacks the head a target may name
+            check_lora_targets(model, model_cfg.lora, "model.lora.target_modules")
         model = add_ppo_adapter(model, lora_config(model_cfg.lora, task_type, no_dropout))
     else:
         model.requires_grad_(True)
     upcast_trainable(model)
     return model
+
+
+def check_lora_targets(model: nn.Module, lora: LoraSection, field: str) -> None:
+    """Every name in `lora.target_modules` (the recipe field `field`) matches a module of
+    `model`, as peft matches it (the whole name or its last parts): peft refuses a list of which
+    none matches with a traceback, and trains fewer layers than asked, silently, when only some
+    do (a typo beside `q_proj`)."""
+    if lora.target_modules == "all-linear":
+        return
+    names = [name for name, _ in model.named_modules()]
+    missing = [
+        target
+        for target in lora.target_modules
+        if not any(name == target or name.endswith("." + target) for name in names)
+    ]
+    if missing:
+        linear = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        )
+        raise ModelLoadError(
+            f"{field}: {', '.join(missing)} names no module of the model; its linear layers are "
+            f"{', '.join(linear)} (or write all-linear)"
+        )
+
+
+def model_context(model: Any) -> int | None:
+    """The most tokens `model` takes in one sequence: its (text) config's
+    `max_position_embeddings` (GPT-2's `n_positions` through its attribute map); None where the
+    config gives none."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    context = getattr(config, "max_position_embeddings", None)
+    return context if isinstance(context, int) and context > 0 else None
+
+
+def check_context(model: Any, lengths: dict[str, int], whose: str) -> None:
+    """The recipe's `lengths` (field -> tokens) together fit `model`'s context (`whose`: the
+    policy, the reward model), checked before any text reaches it: a model with learned
+    positions (BERT, GPT-2) fails on the first longer sequence (an index error, on CUDA a
+    device-side assert), a rotary one runs past what it was trained on, and vLLM refuses."""
+    context, need = model_context(model), sum(lengths.values())
+    if context is None or need <= context:
+        return
+    fields = " + ".join(lengths)
+    values = " + ".join(str(v) for v in lengths.values())
+    shown = f"({values} = {need})" if len(lengths) > 1 else f"({need})"
+    what = "it" if len(lengths) == 1 else "their sum"
+    raise ModelLoadError(
+        f"{fields} {shown} exceeds {whose}'s context of {context} tokens: make {what} at most "
+        f"{context}"
+    )
+
+
+def check_vocab(model: Any, tokenizer: Any, field: str, whose: str) -> None:
+    """`tokenizer` (the recipe field `field` names it, or the model's own) gives no token id
+    past `model`'s embeddings (`whose`: the policy, the reward model): such an id fails the
+    forward (an index error, on CUDA a device-side assert) at the first text that has it. A
+    model that names no input embeddings has nothing to check against."""
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    vocab = getattr(embeddings, "num_embeddings", None)
+    if vocab is not None and tokenizer is not None and len(tokenizer) > vocab:
+        raise ModelLoadError(
+            f"{field}: the tokenizer has {len(tokenizer)} tokens but {whose} only {vocab} "
+            f"embeddings: set {field} to the model's own tokenizer"
+        )
 
 
 def has_sft_adapter(model: Any) -> bool:

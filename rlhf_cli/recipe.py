@@ -34,6 +34,11 @@ BUILTIN_PREFIX = "builtin:"
 GROUPED_ESTIMATORS = ("rloo", "grpo")
 CRITIC_ESTIMATORS = ("gae",)
 LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")
+# the largest `run.seed`: NumPy's legacy seeding (transformers' `set_seed`, ours) takes
+# 0 <= seed < 2**32, and PPO process k seeds with run.seed + k; half that range leaves room
+MAX_SEED = 2**31 - 1
+# a string `device_map` transformers takes: a placement strategy, or one device
+DEVICE_MAP = r"auto|balanced|balanced_low_0|sequential|cpu|mps|(cuda|xpu|npu|hpu|mlu|musa)(:\d+)?"
 GUIDE_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GUIDE_SYCOPHANTIC_OPENERS = [
     "great question",
@@ -111,7 +116,11 @@ class RunSection(Section):
         "`rlhf ppo --set run.name=lr1e-5 --set run.base=tiny`.",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
     )
-    seed: int = _f(42, "Seed for Python, NumPy and torch; set once per stage.")
+    seed: int = _f(
+        42,
+        f"Seed for Python, NumPy and torch; set once per stage. 0 to {MAX_SEED}: NumPy takes "
+        "seeds below 2**32, and each PPO process seeds with `run.seed` plus its index.",
+    )
     device: Literal["auto", "cpu", "cuda"] = _f(
         "auto", "`auto` uses CUDA when present, else the CPU."
     )
@@ -129,6 +138,16 @@ class RunSection(Section):
         "wins, as MLflow's own rule); each stage logs as the tracker run `<name>-<stage>`.",
         min_length=1,
     )
+
+    @field_validator("seed")
+    @classmethod
+    def _a_seed(cls, value: int) -> int:
+        if not 0 <= value <= MAX_SEED:
+            raise ValueError(
+                f"{value} is out of range: a seed is from 0 to {MAX_SEED} (NumPy takes seeds "
+                "below 2**32, and each PPO process adds its index)"
+            )
+        return value
 
     @field_validator("base")
     @classmethod
@@ -237,6 +256,18 @@ class ModelSection(Section):
     def _local_model(cls, value: str | None, info: ValidationInfo) -> str | None:
         return None if value is None else _resolve_local(value, info, "model folder")
 
+    @field_validator("device_map")
+    @classmethod
+    def _a_device_map(cls, value: str | None) -> str | None:
+        # what transformers' `from_pretrained` takes as a string; it refuses others only when
+        # the weights load, with a traceback
+        if value is not None and not re.fullmatch(DEVICE_MAP, value):
+            raise ValueError(
+                f"'{value}' is not a device_map: auto, balanced, balanced_low_0, sequential, "
+                "or one device (cpu, cuda, cuda:0, mps, xpu:0)"
+            )
+        return value
+
     @model_validator(mode="after")
     def _gguf_in_folder(self) -> ModelSection:
         if self.gguf_file is not None and not (Path(self.name_or_path) / self.gguf_file).is_file():
@@ -267,28 +298,167 @@ class ModelSection(Section):
         return self.model_copy(update=update)
 
 
-class _Source(Section):
-    path: str = _f(..., "A local .json/.jsonl/.csv/.parquet file or a hub dataset name.")
-    split: str = _f("train", "Split to read (hub datasets), e.g. `train` or `train[:3000]`.")
-    max_samples: int | None = _f(None, "Keep only the first N rows.", ge=1)
+COLUMNS = ("text", "messages", "prompt", "input", "system", "completion", "chosen", "rejected")
+SPLIT_SPEC = re.compile(r"^[\w.-]+(\[(-?\d+%?)?:(-?\d+%?)?\])?$")
+
+
+class SourceSpec(Section):
+    """One dataset: a local file, local files, or a hub dataset (with its subset and files)."""
+
+    path: str | None = _f(
+        None,
+        "A local .json/.jsonl/.csv/.parquet/.txt file (relative to the recipe) or a hub dataset "
+        "name (`org/name`); may be left out when `data_files` names local files.",
+    )
+    name: str | None = _f(None, "The hub dataset's subset (configuration), e.g. `harmless-base`.")
+    split: str = _f(
+        "train",
+        "Split to read, optionally sliced: `train`, `train_prefs`, `train[:5%]`, `train[100:]`. "
+        "A local file has the one split `train`.",
+    )
+    data_files: list[str] = _f(
+        [],
+        "Files to read: local paths or globs (relative to the recipe; each must match a file), "
+        "or, with a hub `path`, file patterns inside that dataset. Files with different columns "
+        "are read one by one.",
+    )
+    columns: dict[Literal[COLUMNS], str] = _f(  # type: ignore[valid-type]
+        {},
+        "The dataset's column for each of our names (LLaMA-Factory's `columns`): "
+        "`{prompt: question, completion: answer}`. Ours: " + ", ".join(COLUMNS) + " (`input` is "
+        "appended to the prompt as Alpaca's; `system` becomes the conversation's system message).",
+    )
+    max_samples: int | None = _f(
+        None, "Keep only the first N rows (after the split's slice).", ge=1
+    )
+    weight: float = _f(
+        1.0,
+        "In a mixture (`sources`): this source's rows times `weight` (0.5 keeps a seeded half, 2 "
+        "takes every row twice).",
+        gt=0.0,
+    )
 
     @field_validator("path")
     @classmethod
-    def _local_data(cls, value: str, info: ValidationInfo) -> str:
-        return _resolve_local(value, info, "data file")
+    def _local_data(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _resolve_local(value, info, "data file")
+
+    @field_validator("data_files", mode="before")
+    @classmethod
+    def _one_file(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("split")
+    @classmethod
+    def _split_spec(cls, value: str) -> str:
+        if not all(SPLIT_SPEC.match(part) for part in value.split("+")):
+            raise ValueError(
+                f"'{value}' is not a split: write `train`, `train[:5%]`, `train[10:200]` or "
+                "`train[:50%]+test[:10%]`"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _files(self, info: ValidationInfo) -> SourceSpec:
+        return _check_files(self, info)
+
+    def where(self) -> str:
+        """How errors name this source."""
+        if self.path is None:
+            return ", ".join(self.data_files)
+        return self.path if self.name is None else f"{self.path} ({self.name})"
 
 
-class DataSource(_Source):
+def _check_files(spec: SourceSpec, info: ValidationInfo) -> Any:
+    """A source names something to read; a local one has no subset and only the split `train`;
+    its `data_files` globs are made absolute and each must match a file."""
+    local_path = spec.path is not None and Path(spec.path).is_file()
+    if spec.path is None and not spec.data_files:
+        raise ValueError("give `path` (a file or a hub dataset) or `data_files`")
+    if spec.path is None or local_path:
+        if "+" in spec.split or spec.split.split("[")[0] != "train":
+            raise ValueError(
+                f"split: a local file has the one split `train` (got '{spec.split}'); "
+                "slice it as `train[:5%]`"
+            )
+        if spec.name is not None:
+            raise ValueError("name: a subset names a part of a hub dataset, not a local file")
+    if local_path and spec.data_files:
+        raise ValueError("data_files: `path` is already a local file; list the files in one")
+    if spec.path is None:
+        spec.data_files = [_local_glob(pattern, info) for pattern in spec.data_files]
+    return spec
+
+
+def _local_glob(pattern: str, info: ValidationInfo) -> str:
+    """A local file or glob made absolute against the recipe's folder; it must match a file."""
+    import glob
+
+    absolute = str(_near_recipe(pattern, info).resolve())
+    if not any(Path(p).is_file() for p in glob.glob(absolute, recursive=True)):
+        raise ValueError(f"data_files: no file matches {absolute}")
+    return absolute
+
+
+class StageSource(SourceSpec):
+    """A stage's data: one source (its fields here), or a mixture of several (`sources`)."""
+
+    sources: list[SourceSpec] = _f(
+        [],
+        "Several datasets mixed into one (each with its own `path`, `split`, `columns`, `weight` "
+        "...), instead of the one named by this section's own fields.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_or_several(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("sources"):
+            own = sorted(
+                k
+                for k in set(data) & set(SourceSpec.model_fields)
+                if data[k] != SourceSpec.model_fields[k].get_default(call_default_factory=True)
+            )
+            if own:
+                raise ValueError(
+                    f"sources: give {', '.join(own)} inside each source, not beside `sources`"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _files(self, info: ValidationInfo) -> StageSource:
+        return self if self.sources else _check_files(self, info)
+
+    def parts(self) -> list[SourceSpec]:
+        """The sources to read, in order."""
+        if self.sources:
+            return list(self.sources)
+        return [
+            SourceSpec.model_construct(**{k: getattr(self, k) for k in SourceSpec.model_fields})
+        ]
+
+    def where(self) -> str:
+        return " + ".join(s.where() for s in self.sources) if self.sources else super().where()
+
+
+class DataSource(StageSource):
     eval_fraction: float = _f(0.1, "Share of rows held out for evaluation.", gt=0.0, lt=0.5)
 
 
-class PromptSource(_Source):
+class PromptSource(StageSource):
     min_words: int = _f(
-        6, "Drop prompts with fewer words (the guide drops 5 words or fewer).", ge=0
+        6,
+        "Drop prompts with fewer words, counted over the whole conversation (the guide drops 5 "
+        "words or fewer).",
+        ge=0,
     )
-    max_chars: int = _f(512, "Truncate prompt text to this many characters.", gt=0)
+    max_chars: int = _f(
+        512, "Cut each turn of a prompt to this many characters (the guide's `text[:512]`).", gt=0
+    )
     max_tokens: int = _f(
-        256, "Truncate tokenised prompts to this many tokens (keeping the end).", gt=0
+        256,
+        "Longest tokenised prompt (chat template included): a longer one loses its oldest turns, "
+        "then the start of its last turn.",
+        gt=0,
     )
     eval_fraction: float = _f(
         0.0,
@@ -301,12 +471,22 @@ class PromptSource(_Source):
 
 
 class DataSection(Section):
-    sft: DataSource | None = _f(None, "SFT rows: `messages`, `prompt`/`response`, or `text`.")
+    sft: DataSource | None = _f(
+        None,
+        "SFT rows: `text`, `messages` (the last assistant turn is the answer, everything before "
+        "it the prompt), or `prompt`/`completion` as text or messages (also `response`, "
+        "`output`, Alpaca's `instruction`/`input`/`output`).",
+    )
     preferences: DataSource | None = _f(
-        None, "Preference pairs: `prompt`/`chosen`/`rejected` or HH-RLHF's two dialogues."
+        None,
+        "Preference pairs: `prompt`/`chosen`/`rejected` (text or messages, UltraFeedback's "
+        "repeated user turn too), or `chosen`/`rejected` alone (HH-RLHF dialogues, message "
+        "lists, or texts whose shared start is the prompt).",
     )
     prompts: PromptSource | None = _f(
-        None, "PPO prompts: `prompt`, `instruction`, or the human turn of HH-RLHF's `chosen`."
+        None,
+        "PPO prompts: `prompt` as text or messages, or the prompt of any SFT or preference "
+        "layout (a conversation up to its last assistant turn, system message included).",
     )
 
 
@@ -992,7 +1172,75 @@ def schema_markdown() -> str:
             )
 
     walk(Recipe, "")
-    return "\n".join(lines)
+    return "\n".join(lines) + DATA_LAYOUTS
+
+
+DATA_LAYOUTS = """
+## Data layouts
+
+Each stage reads every layout TRL documents for it, standard (text) or conversational (lists of
+`{role, content}` messages; ShareGPT's `{from, value}` with `human` / `gpt` too), and tells which
+it found (`rlhf validate --data`). One rule for all: a conversation's prompt is every message
+before its final assistant turn, system message included; the answer is that turn. SFT trains on
+the answer after the prompt rendered by the chat template (with its generation prompt), PPO
+generates from the same tokens, and the reward model scores the answer after the prompt's text (a
+single user turn is its content; a dialogue is HH-RLHF's `... Assistant: ... Human: ...` text, a
+system message its first paragraph), at train-rm and in PPO alike.
+
+| layout | columns | `data.sft` | `data.preferences` | `data.prompts` |
+|---|---|---|---|---|
+| language modelling | `text`, or `messages` | yes | | `messages` |
+| prompt-completion | `prompt`, `completion` (`response`, `output`) | yes | | its prompt |
+| prompt-only | `prompt` | | | yes |
+| preference | `prompt`, `chosen`, `rejected` | | yes | its prompt |
+| preference, implicit prompt | `chosen`, `rejected` | | yes | its prompt |
+
+Alpaca's `instruction` / `input` / `output` is prompt-completion (the input follows the
+instruction after a blank line); a `system` column opens the prompt with a system message. A
+source holds one layout: a row of another is one error naming the file and line (make two
+`sources`). Names of your own go through `columns` (ours: the dataset's).
+
+HH-RLHF (`chosen` / `rejected` dialogues of `Human:` / `Assistant:` turns; the prompt keeps the
+whole dialogue before the last answer):
+```yaml
+data:
+  preferences: {path: Anthropic/hh-rlhf, name: harmless-base, split: "train[:5%]"}
+  prompts: {path: Anthropic/hh-rlhf, split: "test[:500]"}
+```
+UltraFeedback-binarized (`prompt` text, `chosen` / `rejected` message lists repeating the user
+turn; `messages` for SFT):
+```yaml
+data:
+  sft: {path: HuggingFaceH4/ultrafeedback_binarized, split: train_sft}
+  preferences: {path: HuggingFaceH4/ultrafeedback_binarized, split: train_prefs}
+  prompts: {path: HuggingFaceH4/ultrafeedback_binarized, split: "test_prefs[:1000]"}
+```
+A conversational prompt set (`prompt` as messages, system message kept) and local files:
+```yaml
+data:
+  prompts: {data_files: ["prompts/*.jsonl"], min_words: 0}   # {"prompt": [{"role": ..., ...}]}
+```
+Other column names, a mixture (each source's rows times its `weight`), and a hub file pattern:
+```yaml
+data:
+  sft:
+    sources:
+      - {path: my/qa-set, columns: {prompt: question, completion: answer}}
+      - {path: tatsu-lab/alpaca, weight: 0.5}
+      - {path: org/chats, data_files: "data/train-*.parquet", columns: {messages: conversations}}
+```
+`rlhf validate --data` loads each stage's data and tokenizer (no weights) and prints rows read
+and kept, the layout of each source, token lengths (p50 / p95 / max) of prompts and answers
+against `sft.max_length`, `reward.max_length`, `data.prompts.max_tokens` and
+`ppo.generation.max_new_tokens`, the rows cut or dropped and why, preference pairs with
+identical answers and their length bias (how often the chosen answer is the longer one, and the
+mean length ratio: what a reward model learns as a length hack), and held-out PPO prompts that
+are training prompts too. `--row N` shows row N's tokens as each stage reads them (context, then
+what it trains on or scores); `--json` for CI; exit 2 when a stage would get no rows. A hub
+dataset is streamed, not downloaded: its first `--sample` rows (default 2000) are read and the
+report says so. Every stage writes the same figures into its manifest (`data`), and
+`rlhf status` shows them.
+"""
 
 
 if __name__ == "__main__":

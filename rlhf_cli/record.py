@@ -179,7 +179,9 @@ class StageRecord:
 
     Enter: take the run's lock, snapshot the recipe, point LATEST here, status `running`.
     Normal exit: `completed`. KeyboardInterrupt: `interrupted`. Any other exception: `failed`
-    with the error's one-line summary. Each write is atomic; the lock is released on exit.
+    with the error's one-line summary, and the stage's folder, when it is still there, as the
+    exception's `log_dir` (where the CLI writes a bug's traceback). Each write is atomic; the
+    lock is released on exit.
     Only the process that writes (the main one under several processes) takes the lock.
 
     Nothing is lost by a re-run that fails or is stopped before the stage starts replacing its
@@ -297,6 +299,8 @@ class StageRecord:
                 note = self._undo()
             if exc is not None and self.write:  # the one-line report says what became of it
                 exc.manifest_note = note  # type: ignore[union-attr]
+            if exc is not None and self.dir.is_dir():  # where a bug's traceback goes (cli.py)
+                exc.log_dir = self.dir  # type: ignore[union-attr]
         finally:
             if self._lock is not None:
                 with contextlib.suppress(FileNotFoundError):

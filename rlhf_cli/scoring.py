@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rlhf_cli.generation import position_ids_from
+from rlhf_cli.modeling import check_context, check_vocab
 from rlhf_cli.rewards import RewardFn, call_reward_function
 
 Features = dict[str, list[list[int]]]  # `input_ids`, and `token_type_ids` where encoded as pairs
@@ -46,8 +47,9 @@ class RewardScorer:
     input: str = "template"
 
     def __post_init__(self) -> None:
-        """Resolve `input: auto`, and make the model pad with the tokenizer's pad id, once, for
-        every path that scores.
+        """Resolve `input: auto`, refuse a `reward.max_length` over the model's context or a
+        tokenizer with ids past its embeddings (`modeling.check_context`, `check_vocab`), and
+        make the model pad with the tokenizer's pad id, once, for every path that scores.
 
         A decoder's sequence-classification head (transformers' `*ForSequenceClassification`)
         scores the last token that is not `config.pad_token_id`, whatever the attention mask
@@ -59,6 +61,9 @@ class RewardScorer:
             self.input = pair_input(self.tokenizer)
         if self.tokenizer is None:
             return
+        if self.model is not None:  # the recipe's values the model would refuse mid-run
+            check_context(self.model, {"reward.max_length": self.max_length}, "the reward model")
+            check_vocab(self.model, self.tokenizer, "reward.tokenizer", "the reward model")
         if self.tokenizer.pad_token is None:
             if self.tokenizer.eos_token is None:
                 raise ValueError("the reward tokenizer has neither a pad nor an EOS token")

@@ -19,7 +19,8 @@ from rich.console import Console
 from rich.markup import escape
 from safetensors.torch import save_file
 
-from rlhf_cli.data import audit_prompts, load_prompts, split_heldout
+from rlhf_cli.data import audit_prompts, load_prompts, prompt_text, split_heldout
+from rlhf_cli.datacheck import prompt_figures
 from rlhf_cli.errors import DataError
 from rlhf_cli.generation import Generator, check_backend, tokenize_prompts
 from rlhf_cli.modeling import (
@@ -213,17 +214,27 @@ def prompt_inputs(
     about them are warned about (console and manifest)."""
     tokenizer = load_policy_tokenizer(recipe.model, sources.tokenizer, "left")
     source = recipe.data.prompts
-    prompts = load_prompts(source, cache_dir=run.path / ".cache")
-    for warning in startup_warnings(recipe, run, prompts):
+    data = load_prompts(source, cache_dir=run.path / ".cache")
+    texts = [prompt_text(p) for p in data.items]
+    for warning in startup_warnings(recipe, run, texts):
         record.warn(warning)
         console.print(f"[yellow]warning[/]: {escape(warning)}", highlight=False)
     chat = recipe.model.prompt_format == "chat"
-    train, heldout = split_heldout(prompts, source.eval_fraction)
+    train, heldout = split_heldout(data.items, source.eval_fraction)
     record.manifest["prompts"] = {"train": len(train), "heldout": len(heldout)}
+    limits = (source.max_tokens, recipe.ppo.generation.max_new_tokens)
+    figures = prompt_figures(data, tokenizer, chat, limits, source.eval_fraction)
+    record.manifest["data"] = {"prompts": figures}
     return (
         tokenizer,
-        (train, tokenize_prompts(tokenizer, train, chat, source.max_tokens)),
-        (heldout, tokenize_prompts(tokenizer, heldout, chat, source.max_tokens)),
+        (
+            [prompt_text(p) for p in train],
+            tokenize_prompts(tokenizer, train, chat, source.max_tokens),
+        ),
+        (
+            [prompt_text(p) for p in heldout],
+            tokenize_prompts(tokenizer, heldout, chat, source.max_tokens),
+        ),
     )
 
 

@@ -18,9 +18,11 @@ from rich.console import Console
 from trl.trainer.reward_trainer import DataCollatorForPreference
 from trl.trainer.utils import pad
 
-from rlhf_cli.data import load_preferences, split_eval
+from rlhf_cli.data import load_preferences, prompt_text, split_eval
+from rlhf_cli.datacheck import preference_figures
 from rlhf_cli.errors import StageError
 from rlhf_cli.modeling import (
+    check_lora_targets,
     freeze,
     load_reward_model,
     load_tokenizer,
@@ -121,12 +123,18 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
     tokenizer = load_tokenizer(
         cfg.tokenizer or cfg.base_model, cfg.trust_remote_code, padding_side="right"
     )
-    pairs, same = load_preferences(recipe.data.preferences, cache_dir=run.path / ".cache")
+    data = load_preferences(recipe.data.preferences, cache_dir=run.path / ".cache")
+    same = data.dropped.get("identical answers", 0)
     if same:
         record.warn(
-            f"{same} preference pair(s) of {recipe.data.preferences.path} have the same chosen "
-            "and rejected answer: skipped"
+            f"{same} preference pair(s) of {recipe.data.preferences.where()} have the same "
+            "chosen and rejected answer: skipped"
         )
+    # the reward model reads a prompt as its text, the same text PPO's rollouts are scored with
+    pairs = [
+        {"prompt": prompt_text(p.prompt), "chosen": p.chosen, "rejected": p.rejected}
+        for p in data.items
+    ]
     train_pairs, eval_pairs = split_eval(
         pairs, recipe.data.preferences.eval_fraction, recipe.run.seed
     )
@@ -135,6 +143,7 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
     scorer = RewardScorer(
         model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size, input=cfg.input
     )
+    record.manifest["data"] = {"preferences": preference_figures(data, scorer)}
     prompts = [p["prompt"] for p in train_pairs]
     encoded, n_truncated = {}, 0
     for side in ("chosen", "rejected"):
@@ -152,6 +161,7 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
         from peft import get_peft_model
 
         # The adapter and the score head train in fp32 (peft leaves the head in the base dtype).
+        check_lora_targets(model, cfg.lora, "reward.lora.target_modules")
         scorer.model = upcast_trainable(get_peft_model(model, lora_config(cfg.lora, "SEQ_CLS")))
     return RewardData(scorer, train_pairs, eval_pairs, Dataset.from_dict(encoded), n_truncated)
 

@@ -7,9 +7,12 @@ from typing import Any
 
 from rich.console import Console
 
-from rlhf_cli.data import load_sft, split_eval
+from rlhf_cli.data import Example, load_sft, prompt_text, split_eval
+from rlhf_cli.datacheck import sft_figures
 from rlhf_cli.errors import StageError
 from rlhf_cli.modeling import (
+    check_context,
+    check_vocab,
     load_causal_lm,
     load_policy_tokenizer,
     pick_device,
@@ -88,12 +91,16 @@ def setup(
 
     cfg, device = recipe.sft, pick_device(recipe.run.device)
     chat = recipe.model.prompt_format == "chat"
-    rows = load_sft(recipe.data.sft, chat=chat, cache_dir=run.path / ".cache")
+    data = load_sft(recipe.data.sft, cache_dir=run.path / ".cache")
+    rows = [trl_row(example, chat) for example in data.items]
     train_rows, eval_rows = split_eval(rows, recipe.data.sft.eval_fraction, recipe.run.seed)
     source = recipe.model.tokenizer or recipe.model.name_or_path
     tokenizer = load_policy_tokenizer(recipe.model, source, "right")
+    record.manifest["data"] = {"sft": sft_figures(data, tokenizer, chat, cfg.max_length)}
     model_cfg = recipe.model.variant(lora=False) if cfg.full_finetune else recipe.model
     model = load_causal_lm(recipe.model.name_or_path, model_cfg, device)
+    check_context(model, {"sft.max_length": cfg.max_length}, "the policy")
+    check_vocab(model, tokenizer, "model.tokenizer", "the policy")
     dtype = resolve_dtype(recipe.model.dtype, device)
     checkpointing = recipe.model.gradient_checkpointing
     args = SFTConfig(
@@ -116,6 +123,18 @@ def setup(
     n_rows = (len(trainer.train_dataset), len(trainer.eval_dataset))
     check_truncation(record, (len(train_rows), len(eval_rows)), n_rows, cfg.max_length)
     return trainer, stage, n_rows
+
+
+def trl_row(example: Example, chat: bool) -> dict[str, Any]:
+    """An example in TRL's SFT format: conversational prompt-completion (`chat`: the chat
+    template renders the prompt with its generation prompt, as PPO does, and the loss covers the
+    answer), standard prompt-completion (the prompt's text, `data.prompt_text`), or `text`."""
+    if example.prompt is None:
+        return {"text": example.answer}
+    if chat:
+        answer = [{"role": "assistant", "content": example.answer}]
+        return {"prompt": example.prompt, "completion": answer}
+    return {"prompt": prompt_text(example.prompt), "completion": example.answer}
 
 
 def check_truncation(

@@ -43,6 +43,8 @@ def stage_row(run: RunDir, stage: str) -> dict[str, Any]:
             if k in manifest.get("metrics", {})
         },
     }
+    if manifest.get("data"):
+        row["data"] = data_line(manifest["data"])
     if "last_attempt" in manifest:
         row["last_attempt"] = manifest["last_attempt"].get("status")
     if state.holder is not None:
@@ -50,6 +52,22 @@ def stage_row(run: RunDir, stage: str) -> dict[str, Any]:
     if state.next is not None:
         row["next"] = state.next
     return row
+
+
+def data_line(data: dict[str, Any]) -> str:
+    """What data a stage saw, in one line: rows kept of read, layouts, rows dropped or cut."""
+    parts = []
+    for figures in data.values():
+        layouts = ", ".join(figures["layouts"].values())
+        line = f"{figures['kept']}/{figures['rows_read']} rows, {layouts}"
+        changed = {
+            **figures.get("dropped", {}),
+            **figures.get("cut", {}),
+            **figures.get("over_limit", {}),
+        }
+        line += "".join(f"; {n} {why}" for why, n in changed.items() if n)
+        parts.append(line)
+    return " | ".join(parts)
 
 
 def run_status(run: RunDir) -> dict[str, Any]:

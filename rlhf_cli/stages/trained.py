@@ -18,6 +18,9 @@ from rlhf_cli.errors import StageError
 from rlhf_cli.generation import Generator, generator_for
 from rlhf_cli.modeling import (
     Reference,
+    check_bf16,
+    check_context,
+    check_vocab,
     freeze,
     load_causal_lm,
     load_policy_tokenizer,
@@ -213,13 +216,24 @@ def generation_engine(
     """`gen.backend`'s engine answering as `model`: transformers `generate` on the model
     itself, or a colocated vLLM engine built from its whole weights (before any sharding), seeded
     from `run.seed`, computing in `model.dtype` as resolved on `model`'s device, its weights
-    written under `scratch` while it loads them."""
+    written under `scratch` while it loads them. Refused first: a prompt and answer longer than
+    the policy's context, a tokenizer with ids past its embeddings, bfloat16 for vLLM on a GPU
+    that lacks it."""
+    section = "ppo.generation" if gen is recipe.ppo.generation else "audit.generation"
+    lengths = {"data.prompts.max_tokens": recipe.data.prompts.max_tokens}
+    lengths[f"{section}.max_new_tokens"] = gen.max_new_tokens
+    check_context(model, lengths, "the policy")
+    check_vocab(model, tokenizer, "model.tokenizer", "the policy")
+    device = next(model.parameters()).device
+    dtype = resolve_dtype(recipe.model.dtype, device)
+    if gen.backend == "vllm" and dtype == torch.bfloat16:
+        check_bf16(device, "model.dtype", "the vLLM engine")
     return generator_for(
         model,
         tokenizer,
         gen,
-        max_len=recipe.data.prompts.max_tokens + gen.max_new_tokens,
+        max_len=sum(lengths.values()),
         seed=recipe.run.seed,
         scratch=scratch,
-        dtype=resolve_dtype(recipe.model.dtype, next(model.parameters()).device),
+        dtype=dtype,
     )

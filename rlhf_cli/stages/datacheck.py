@@ -1,0 +1,110 @@
+"""`rlhf validate --data`: each stage's data and tokenizer loaded (no model weights), and the
+figures of `datacheck` per stage, with one example's tokens marked when asked; a stage that
+would get no rows (or cannot read its data) is reported and fails the check (exit 2)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rlhf_cli.data import load_preferences, load_prompts, load_sft, prompt_text
+from rlhf_cli.datacheck import (
+    preference_figures,
+    prompt_figures,
+    reward_tokens,
+    sft_figures,
+    sft_tokens,
+)
+from rlhf_cli.errors import DataError, ModelLoadError
+from rlhf_cli.generation.core import tokenize_prompts
+from rlhf_cli.modeling import load_policy_tokenizer, load_tokenizer
+from rlhf_cli.recipe import Recipe
+from rlhf_cli.scoring import RewardScorer
+
+
+def check_data(recipe: Recipe, row: int | None, sample: int) -> dict[str, Any]:
+    """{stage: figures or {"error": ...}} for the stages this recipe runs, and `ok`. A hub
+    dataset is read by streaming its first `sample` rows; the figures tokenise at most `sample`
+    rows of each stage."""
+    checks: dict[str, Callable[[], dict[str, Any]]] = {}
+    if recipe.sft.enabled and recipe.data.sft is not None:
+        checks["sft"] = lambda: _sft(recipe, row, sample)
+    if recipe.reward.base_model is not None and recipe.data.preferences is not None:
+        checks["preferences"] = lambda: _preferences(recipe, row, sample)
+    checks["prompts"] = lambda: _prompts(recipe, row, sample)
+    stages = {}
+    for stage, check in checks.items():
+        try:
+            stages[stage] = check()
+        except (DataError, ModelLoadError) as exc:
+            stages[stage] = {"error": str(exc), "kept": 0}
+        if not stages[stage]["kept"] and "error" not in stages[stage]:
+            stages[stage]["error"] = "no row is left for this stage"
+    return {"stages": stages, "ok": all("error" not in s for s in stages.values())}
+
+
+def _policy_tokenizer(recipe: Recipe, side: str) -> Any:
+    return load_policy_tokenizer(
+        recipe.model, recipe.model.tokenizer or recipe.model.name_or_path, side
+    )
+
+
+def _row(items: list[Any], row: int | None, stage: str) -> Any:
+    if row is None:
+        return None
+    if not 1 <= row <= len(items):
+        raise DataError(f"--row {row}: the {stage} stage has {len(items)} rows")
+    return items[row - 1]
+
+
+def _marked(tokenizer: Any, ids: list[int], start: int, role: str) -> dict[str, Any]:
+    """One example's tokens as text: the context before `start`, then what the stage `role`s."""
+    return {
+        "context": tokenizer.decode(ids[:start]),
+        role: tokenizer.decode(ids[start:]),
+        "context_tokens": start,
+        f"{role}_tokens": len(ids) - start,
+    }
+
+
+def _sft(recipe: Recipe, row: int | None, sample: int) -> dict[str, Any]:
+    assert recipe.data.sft is not None
+    chat = recipe.model.prompt_format == "chat"
+    tokenizer = _policy_tokenizer(recipe, "right")
+    data = load_sft(recipe.data.sft, limit=sample)
+    figures = sft_figures(data, tokenizer, chat, recipe.sft.max_length, sample)
+    example = _row(data.items, row, "sft")
+    if example is not None:
+        figures["row"] = _marked(tokenizer, *sft_tokens(example, tokenizer, chat), "trained")
+    return figures
+
+
+def _preferences(recipe: Recipe, row: int | None, sample: int) -> dict[str, Any]:
+    assert recipe.data.preferences is not None and recipe.reward.base_model is not None
+    cfg = recipe.reward
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.base_model, cfg.trust_remote_code, "right")
+    scorer = RewardScorer(None, tokenizer, cfg.template, cfg.max_length, input=cfg.input)
+    data = load_preferences(recipe.data.preferences, limit=sample)
+    figures = preference_figures(data, scorer, sample)
+    pair = _row(data.items, row, "preferences")
+    if pair is not None:
+        text = prompt_text(pair.prompt)
+        figures["row"] = {
+            side: _marked(tokenizer, *reward_tokens(scorer, text, answer), "scored")
+            for side, answer in (("chosen", pair.chosen), ("rejected", pair.rejected))
+        }
+    return figures
+
+
+def _prompts(recipe: Recipe, row: int | None, sample: int) -> dict[str, Any]:
+    assert recipe.data.prompts is not None
+    source, chat = recipe.data.prompts, recipe.model.prompt_format == "chat"
+    tokenizer = _policy_tokenizer(recipe, "left")
+    data = load_prompts(source, limit=sample)
+    limits = (source.max_tokens, recipe.ppo.generation.max_new_tokens)
+    figures = prompt_figures(data, tokenizer, chat, limits, source.eval_fraction, sample)
+    prompt = _row(data.items, row, "prompts")
+    if prompt is not None:
+        (ids,) = tokenize_prompts(tokenizer, [prompt], chat, source.max_tokens)
+        figures["row"] = {"generates_from": tokenizer.decode(ids), "tokens": len(ids)}
+    return figures
