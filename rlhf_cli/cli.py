@@ -24,8 +24,8 @@ import click
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
+from rlhf_cli import views
 from rlhf_cli.errors import (
     INTERNAL_ERROR,
     RecipeError,
@@ -37,9 +37,7 @@ from rlhf_cli.recipe import Recipe, default_recipe_path, load_recipe
 from rlhf_cli.rundir import Manifest, RunDir, recipe_near
 from rlhf_cli.stopping import sigterm_as_ctrl_c
 from rlhf_cli.tracking import (
-    fmt_number,
     make_console,
-    metrics_line,
     quiet_libraries,
     require_trackers,
 )
@@ -203,39 +201,6 @@ def _library_output(as_json: bool, quiet: bool = False) -> contextlib.AbstractCo
     return contextlib.redirect_stdout(sys.stderr) if as_json or quiet else contextlib.nullcontext()
 
 
-MEMORY_KEYS = ("peak_memory", "planned_peak")
-
-
-def _memory_cell(metrics: dict[str, Any]) -> str:
-    """`measured / planned` in GiB (the measurement's kind: CUDA-allocated or the CPU's RSS)."""
-    measured, planned = metrics.get("peak_memory_bytes"), metrics.get("planned_peak_bytes")
-    if measured is None:
-        return ""
-    kind = " RSS" if metrics.get("peak_memory_kind") == "cpu_rss" else ""
-    plan = fmt_gib(planned) if planned is not None else "—"
-    return f"{fmt_gib(measured)}{kind} / {plan}"
-
-
-def _emit(manifest: dict[str, Any], as_json: bool, quiet: bool, title: str) -> None:
-    """A stage's manifest, with `dir` (its folder) added, as JSON or a table."""
-    if as_json:
-        typer.echo(json.dumps(manifest, indent=2))
-        return
-    console = make_console(quiet)
-    table = Table(title=title, show_header=False, title_justify="left")
-    table.add_row("status", manifest["status"])
-    table.add_row("run dir", str(Path(manifest.get("dir", ""))))
-    metrics = manifest.get("metrics", {})
-    for key, value in metrics.items():
-        if not key.startswith(MEMORY_KEYS):
-            table.add_row(key, fmt_number(value))
-    if "peak_memory_bytes" in metrics:
-        table.add_row("peak memory / plan", _memory_cell(metrics))
-    for warning in manifest.get("warnings", []):
-        table.add_row("[yellow]warning[/]", warning)
-    console.print(table)
-
-
 def _stage(
     run_fn: Callable[[Recipe, Any], Manifest],
     stage: str,
@@ -250,7 +215,11 @@ def _stage(
     with _library_output(as_json, quiet):
         manifest = run_fn(resolved, make_console(quiet, as_json))
     shown = {**manifest, "dir": str(RunDir.for_recipe(resolved).stage_dir(stage))}
-    _emit(shown, as_json, quiet, f"rlhf {stage} · run '{resolved.run.name}'")
+    if as_json:
+        typer.echo(json.dumps(shown, indent=2))
+    else:
+        title = f"rlhf {stage} · run '{resolved.run.name}'"
+        views.stage_summary(shown, title, make_console(quiet))
 
 
 @app.command(cls=_Command)
@@ -299,7 +268,6 @@ def validate(
 def _check_data(recipe: Recipe, row: int | None, sample: int, as_json: bool) -> None:
     from rlhf_cli.errors import DataError
     from rlhf_cli.stages.datacheck import check_data
-    from rlhf_cli.views import data_check
 
     quiet_libraries()
     with _library_output(as_json):
@@ -307,7 +275,7 @@ def _check_data(recipe: Recipe, row: int | None, sample: int, as_json: bool) -> 
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     else:
-        data_check(result, Console(highlight=False))
+        views.data_check(result, Console(highlight=False))
     failed = [f"{stage}: {s['error']}" for stage, s in result["stages"].items() if "error" in s]
     if failed:
         raise DataError(f"data check failed: {'; '.join(failed)}")
@@ -368,35 +336,11 @@ def plan(
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     else:
-        _print_plan(result)
+        views.plan_report(result, Console(highlight=False))
     if not result["fits"]:
         from rlhf_cli.errors import DoesNotFit
 
         raise DoesNotFit(result["verdict"])
-
-
-def _print_plan(result: dict[str, Any]) -> None:
-    out = Console(highlight=False)
-    for name, stage in result["stages"].items():
-        title = f"{name}: {fmt_gib(stage['peak_bytes'])} at peak ({stage['phase']})"
-        if stage.get("device") == "cpu":
-            title += ", on the CPU (host memory, not counted in the fit)"
-        if "iteration_s" in stage:
-            title += f", one iteration ≥ {stage['iteration_s']:.1f} s at the GPU's peak figures"
-        table = Table("part", "GiB")
-        for part, size in stage["parts"].items():
-            table.add_row(part, fmt_gib(size, unit=False))
-        out.print(title, table)
-    if result["fits"]:  # otherwise the error line says it
-        out.print(result["verdict"])
-    for s in result["suggestions"]:
-        args = " ".join(f"--set {a}" for a in s["set"])
-        how = " ".join(part for part in (s.get("launch"), args) if part)
-        out.print(f"  {how}  → {fmt_gib(s['peak_bytes'])}")
-
-
-def fmt_gib(size: int, unit: bool = True) -> str:
-    return f"{size / 1024**3:.2f}" + (" GiB" if unit else "")
 
 
 @app.command(cls=_Command)
@@ -486,6 +430,9 @@ def audit(
         report = run_audit(resolved, make_console(quiet, as_json), checkpoint, responses, samples)
     if as_json:
         typer.echo(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
+    else:
+        title = f"Reward Hack Audit · {report['label']}"
+        views.audit_report(report, resolved.audit, make_console(quiet), title)
     if report["hacking_detected"]:
         raise HackingDetected("reward hacking detected: " + ", ".join(report["flags"]))
 
@@ -549,12 +496,7 @@ def push(
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     elif not quiet:
-        for name in result["files"]:
-            typer.echo(f"  {name}")
-        typer.echo(
-            f"{'would push' if dry_run else 'pushed'} {result['folder']} → "
-            f"{result.get('url', result['repo_id'])}"
-        )
+        views.pushed(result, dry_run, Console(highlight=False))
 
 
 @app.command(cls=_Command)
@@ -576,30 +518,9 @@ def status(
         return
     out = Console(highlight=False)
     if every:
-        table = Table("run", "completed stages", "next")
-        for row in result:
-            name = row["run"] + (" (latest)" if row["latest"] else "")
-            table.add_row(name, ", ".join(row["completed"]) or "—", row["next"] or "—")
-        out.print(table)
-        return
-    table = Table(
-        "stage", "status", "finished", "peak memory / plan", "key numbers",
-        title=f"run '{result['run']}'",
-    )  # fmt: skip
-    for row in result["stages"]:
-        shown = row["status"] + (f" (pid {row['pid']})" if "pid" in row else "")
-        if "last_attempt" in row:
-            shown += f"; last attempt {row['last_attempt']}"
-        if "from_run" in row:
-            shown += f" (run {row['from_run']}'s)"
-        metrics = row.get("metrics", {})
-        numbers = metrics_line(metrics, lambda key: not key.startswith(MEMORY_KEYS))
-        memory = _memory_cell(metrics)
-        if "data" in row:
-            numbers += ("\n" if numbers else "") + f"data: {row['data']}"
-        table.add_row(row["stage"], shown, row.get("finished_at") or "", memory, numbers)
-    out.print(table)
-    out.print(f"next: {result['next']}" if result["next"] else "next: nothing to run now")
+        views.all_runs(result, out)
+    else:
+        views.run_status(result, out)
 
 
 @app.command(cls=_Command)
@@ -637,16 +558,7 @@ def compare(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    table = Table(show_lines=True)
-    for column in ("prompt", "SFT", "PPO"):
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        score = {
-            k: f"\n[dim]reward {row[k + '_score']:+.3f}[/]" if k + "_score" in row else ""
-            for k in ("sft", "ppo")
-        }
-        table.add_row(row["prompt"], row["sft"] + score["sft"], row["ppo"] + score["ppo"])
-    Console(highlight=False).print(table)  # the result: stdout, as report and push print theirs
+    views.comparison(rows, Console(highlight=False))  # the result: stdout, as report's
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Tables and reports the CLI prints (rich), from the plain dicts the stages return."""
+"""Every table and report the CLI prints (rich), from the plain dicts the stages return: a
+command resolves its recipe, calls one stage, and shows the result with one function here."""
 
 from __future__ import annotations
 
@@ -7,6 +8,170 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from rlhf_cli.audit.detectors import GUIDE_FLAGS
+from rlhf_cli.recipe import AuditSection
+from rlhf_cli.tracking import fmt_number, metrics_line
+
+MEMORY_KEYS = ("peak_memory", "planned_peak")
+ACTION = "Increase KL coefficient (β) by {step} and recheck in 25 iterations."
+BREVITY_ACTION = (
+    "Answers collapsed in length against the reference's: a per-token KL penalty charges every "
+    "token, so do not raise β; lower it or check the reward model's preference for short answers."
+)
+
+
+def fmt_gib(size: int, unit: bool = True) -> str:
+    return f"{size / 1024**3:.2f}" + (" GiB" if unit else "")
+
+
+def memory_cell(metrics: dict[str, Any]) -> str:
+    """`measured / planned` in GiB (the measurement's kind: CUDA-allocated or the CPU's RSS)."""
+    measured, planned = metrics.get("peak_memory_bytes"), metrics.get("planned_peak_bytes")
+    if measured is None:
+        return ""
+    kind = " RSS" if metrics.get("peak_memory_kind") == "cpu_rss" else ""
+    plan = fmt_gib(planned) if planned is not None else "—"
+    return f"{fmt_gib(measured)}{kind} / {plan}"
+
+
+def stage_summary(manifest: dict[str, Any], title: str, out: Console) -> None:
+    """A stage's manifest, `dir` (its folder) added: status, metrics, memory, warnings."""
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_row("status", manifest["status"])
+    table.add_row("run dir", str(manifest.get("dir", "")))
+    metrics = manifest.get("metrics", {})
+    for key, value in metrics.items():
+        if not key.startswith(MEMORY_KEYS):
+            table.add_row(key, fmt_number(value))
+    if "peak_memory_bytes" in metrics:
+        table.add_row("peak memory / plan", memory_cell(metrics))
+    for warning in manifest.get("warnings", []):
+        table.add_row("[yellow]warning[/]", warning)
+    out.print(table)
+
+
+def plan_report(result: dict[str, Any], out: Console) -> None:
+    """`rlhf plan`: each stage's parts in GiB, the verdict, the suggestions."""
+    for name, stage in result["stages"].items():
+        title = f"{name}: {fmt_gib(stage['peak_bytes'])} at peak ({stage['phase']})"
+        if stage.get("device") == "cpu":
+            title += ", on the CPU (host memory, not counted in the fit)"
+        if "iteration_s" in stage:
+            title += f", one iteration ≥ {stage['iteration_s']:.1f} s at the GPU's peak figures"
+        table = Table("part", "GiB")
+        for part, size in stage["parts"].items():
+            table.add_row(part, fmt_gib(size, unit=False))
+        out.print(title, table)
+    if result["fits"]:  # otherwise the error line says it
+        out.print(result["verdict"])
+    for s in result["suggestions"]:
+        args = " ".join(f"--set {a}" for a in s["set"])
+        how = " ".join(part for part in (s.get("launch"), args) if part)
+        out.print(f"  {how}  → {fmt_gib(s['peak_bytes'])}")
+
+
+def run_status(result: dict[str, Any], out: Console) -> None:
+    """`rlhf status RUN`: each stage's status, when, memory, key numbers and data; what next."""
+    table = Table(
+        "stage", "status", "finished", "peak memory / plan", "key numbers",
+        title=f"run '{result['run']}'",
+    )  # fmt: skip
+    for row in result["stages"]:
+        shown = row["status"] + (f" (pid {row['pid']})" if "pid" in row else "")
+        if "last_attempt" in row:
+            shown += f"; last attempt {row['last_attempt']}"
+        if "from_run" in row:
+            shown += f" (run {row['from_run']}'s)"
+        metrics = row.get("metrics", {})
+        numbers = metrics_line(metrics, lambda key: not key.startswith(MEMORY_KEYS))
+        if "data" in row:
+            numbers += ("\n" if numbers else "") + f"data: {row['data']}"
+        finished = row.get("finished_at") or ""
+        table.add_row(row["stage"], shown, finished, memory_cell(metrics), numbers)
+    out.print(table)
+    out.print(f"next: {result['next']}" if result["next"] else "next: nothing to run now")
+
+
+def all_runs(rows: list[dict[str, Any]], out: Console) -> None:
+    """`rlhf status --all`: every run, its completed stages, what next."""
+    table = Table("run", "completed stages", "next")
+    for row in rows:
+        name = row["run"] + (" (latest)" if row["latest"] else "")
+        table.add_row(name, ", ".join(row["completed"]) or "—", row["next"] or "—")
+    out.print(table)
+
+
+def comparison(rows: list[dict[str, Any]], out: Console) -> None:
+    """`rlhf compare`: each prompt's SFT and PPO answers with their rewards."""
+    table = Table(show_lines=True)
+    for column in ("prompt", "SFT", "PPO"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        score = {
+            k: f"\n[dim]reward {row[k + '_score']:+.3f}[/]" if k + "_score" in row else ""
+            for k in ("sft", "ppo")
+        }
+        table.add_row(row["prompt"], row["sft"] + score["sft"], row["ppo"] + score["ppo"])
+    out.print(table)
+
+
+def pushed(result: dict[str, Any], dry_run: bool, out: Console) -> None:
+    """`rlhf push`: the files sent (or that would be) and where."""
+    for name in result["files"]:
+        out.print(f"  {name}", highlight=False)
+    where = result.get("url", result["repo_id"])
+    out.print(
+        f"{'would push' if dry_run else 'pushed'} {result['folder']} → {where}", highlight=False
+    )
+
+
+def _mark(report: dict[str, Any], flag: str) -> str:
+    return "[red]⚠[/]" if flag in report["flags"] else "[green]✓[/]"
+
+
+def audit_report(report: dict[str, Any], cfg: AuditSection, out: Console, title: str) -> None:
+    """The guide's audit printout as a table, and the recommended action."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_column("threshold", justify="right")
+    table.add_column("")
+    rows = [
+        ("Verbosity rate", "verbosity", cfg.verbosity_threshold),
+        ("Sycophancy rate", "sycophancy", cfg.sycophancy_threshold),
+        ("Repetition rate", "repetition", cfg.repetition_threshold),
+    ]
+    table.add_row("Avg response length", f"{report['avg_response_len']:.1f} words", "", "")
+    for label, key, limit in rows:
+        table.add_row(label, f"{report[f'{key}_score']:.1%}", f"> {limit:.0%}", _mark(report, key))
+    if "length_ratio" in report:
+        table.add_row(
+            "Length vs reference",
+            f"{report['length_ratio']:.0%}",
+            f"< {cfg.min_length_ratio:.0%}",
+            _mark(report, "brevity"),
+        )
+    for key, label in (
+        ("reward_policy_mean", "Mean reward, policy"),
+        ("reward_reference_mean", "Mean reward, reference"),
+        ("kl_to_reference", "KL to reference (nats)"),
+    ):
+        if key in report:
+            table.add_row(label, f"{report[key]:+.4f}", "", "")
+    table.add_row("Responses", str(report["n_responses"]), "", "")
+    out.print(table)
+    if report["hacking_detected"]:
+        out.print("[red bold]REWARD HACKING DETECTED[/] (" + ", ".join(report["flags"]) + ")")
+        if set(report["flags"]) & set(GUIDE_FLAGS):
+            out.print("Action: " + ACTION.format(step=cfg.kl_coef_step))
+        if "brevity" in report["flags"]:
+            out.print("Action: " + BREVITY_ACTION)
+    else:
+        out.print("[green]No reward hacking patterns detected.[/]")
+    if "path" in report:
+        out.print(f"report: {report['path']}", highlight=False)
+
 
 STAGE_TITLES = {"sft": "sft", "preferences": "train-rm (preferences)", "prompts": "ppo (prompts)"}
 

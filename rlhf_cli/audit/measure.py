@@ -7,10 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
-from rlhf_cli.audit.detectors import GUIDE_FLAGS, audit_responses
+from rlhf_cli.audit.detectors import audit_responses
 from rlhf_cli.generation import (
     Generations,
     Generator,
@@ -22,16 +20,6 @@ from rlhf_cli.generation import (
 from rlhf_cli.modeling import Reference
 from rlhf_cli.recipe import AuditSection, GenerationSection
 from rlhf_cli.scoring import RewardScorer
-
-ACTION = "Increase KL coefficient (β) by {step} and recheck in 25 iterations."
-BREVITY_ACTION = (
-    "Answers collapsed in length against the reference's: a per-token KL penalty charges every "
-    "token, so do not raise β; lower it or check the reward model's preference for short answers."
-)
-
-
-def _mark(report: dict[str, Any], flag: str) -> str:
-    return "[red]⚠[/]" if flag in report["flags"] else "[green]✓[/]"
 
 
 def sample_answers(
@@ -161,44 +149,3 @@ def heldout_eval(
     }
     model.train(was_training)
     return metrics, reference_scores
-
-
-def render_report(report: dict[str, Any], cfg: AuditSection, console: Console, title: str) -> None:
-    """The guide's audit printout as a rich table, and the recommended action."""
-    table = Table(title=title, title_justify="left")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    table.add_column("threshold", justify="right")
-    table.add_column("")
-    rows = [
-        ("Verbosity rate", "verbosity", cfg.verbosity_threshold),
-        ("Sycophancy rate", "sycophancy", cfg.sycophancy_threshold),
-        ("Repetition rate", "repetition", cfg.repetition_threshold),
-    ]
-    table.add_row("Avg response length", f"{report['avg_response_len']:.1f} words", "", "")
-    for label, key, limit in rows:
-        table.add_row(label, f"{report[f'{key}_score']:.1%}", f"> {limit:.0%}", _mark(report, key))
-    if "length_ratio" in report:
-        table.add_row(
-            "Length vs reference",
-            f"{report['length_ratio']:.0%}",
-            f"< {cfg.min_length_ratio:.0%}",
-            _mark(report, "brevity"),
-        )
-    for key, label in (
-        ("reward_policy_mean", "Mean reward, policy"),
-        ("reward_reference_mean", "Mean reward, reference"),
-        ("kl_to_reference", "KL to reference (nats)"),
-    ):
-        if key in report:
-            table.add_row(label, f"{report[key]:+.4f}", "", "")
-    table.add_row("Responses", str(report["n_responses"]), "", "")
-    console.print(table)
-    if report["hacking_detected"]:
-        console.print("[red bold]REWARD HACKING DETECTED[/] (" + ", ".join(report["flags"]) + ")")
-        if set(report["flags"]) & set(GUIDE_FLAGS):
-            console.print("Action: " + ACTION.format(step=cfg.kl_coef_step))
-        if "brevity" in report["flags"]:
-            console.print("Action: " + BREVITY_ACTION)
-    else:
-        console.print("[green]No reward hacking patterns detected.[/]")

@@ -1,11 +1,8 @@
-"""The advantage estimators, one table: `ppo.advantage_estimator` names a row.
-
-Each row says whether the estimator needs a critic (a value head or model is built, values are
-computed at rollout time and a value loss is trained) and whether it compares the completions of
-one prompt (a group: `ppo.num_generations` >= 2), and holds its function from the per-token
-KL-shaped rewards to (advantages, returns). The maths is in core.py; statistics are the global
-batch's (`reduce_sum` sums over processes, `across` applies a function to every row of the
-global batch, wherever it was generated: ppo/distributed.py).
+"""The advantage estimators' functions, attached to the names and flags the recipe declares
+(`recipe.names.ESTIMATORS`: whether each needs a critic and compares a prompt's completions):
+each maps the per-token KL-shaped rewards to (advantages, returns). The maths is in core.py;
+statistics are the global batch's (`reduce_sum` sums over processes, `across` applies a
+function to every row of the global batch, wherever it was generated: ppo/distributed.py).
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from torch import Tensor
 
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.distributed import GlobalRows
-from rlhf_cli.recipe import PpoSection
+from rlhf_cli.recipe import PpoSection, names
 
 
 class Batch(NamedTuple):
@@ -35,7 +32,7 @@ Fn = Callable[[Batch, PpoSection, core.Reducer, GlobalRows], tuple[Tensor, Tenso
 class Estimator(NamedTuple):
     needs_critic: bool
     grouped: bool
-    fn: Fn
+    fn: Fn  # (advantages, returns) of a batch
 
 
 def gae(
@@ -68,11 +65,14 @@ def _grouped(
     return fn
 
 
+FUNCTIONS: dict[str, Fn] = {
+    "gae": gae,
+    "rloo": _grouped(core.leave_one_out_advantages),
+    "grpo": _grouped(core.group_normalized_advantages),
+    "reinforce_pp": reinforce_pp,
+}
 ESTIMATORS: dict[str, Estimator] = {
-    "gae": Estimator(needs_critic=True, grouped=False, fn=gae),
-    "rloo": Estimator(False, True, _grouped(core.leave_one_out_advantages)),
-    "grpo": Estimator(False, True, _grouped(core.group_normalized_advantages)),
-    "reinforce_pp": Estimator(False, False, reinforce_pp),
+    name: Estimator(*flags, fn=FUNCTIONS[name]) for name, flags in names.ESTIMATORS.items()
 }
 
 

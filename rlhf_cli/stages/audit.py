@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 
 from rlhf_cli.audit.detectors import audit_responses
-from rlhf_cli.audit.measure import audit_policy, render_report
+from rlhf_cli.audit.measure import audit_policy
 from rlhf_cli.data import audit_prompts, read_responses
 from rlhf_cli.generation import check_backend
 from rlhf_cli.modeling import pick_device
@@ -33,7 +33,8 @@ def run_audit(
     responses_file: Path | None = None,
     samples: int | None = None,
 ) -> dict[str, Any]:
-    """Measure, print and save the audit report; return it (with `path` of the saved file)."""
+    """Measure and save the audit report; return it, with `path` (the saved file) and `label`
+    (what was audited)."""
     cfg = recipe.audit if samples is None else recipe.audit.model_copy(update={"samples": samples})
     run = RunDir.for_recipe(recipe)
     if responses_file is not None:
@@ -76,6 +77,4 @@ def run_audit(
         record.manifest["reports"] = {**earlier.get("reports", {}), label: numbers}
         record.manifest["last"] = label
         record.manifest["metrics"] = numbers
-    render_report(report, cfg, console, f"Reward Hack Audit · {label}")
-    console.print(f"report: {path}", highlight=False)
-    return {**report, "path": str(path)}
+    return {**report, "path": str(path), "label": label}

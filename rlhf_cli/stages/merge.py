@@ -74,8 +74,9 @@ def merge_and_cast(
     """Merge the adapter model `model` (its adapter in float32) and cast it once to `dtype`,
     checking the merge against the adapter model's logits on `ids`: within `atol` on a float32
     base (then the cast within `cast_tolerance`), within `cast_tolerance` on a base already
-    in `dtype`. Returns the merged model, the manifest's metrics, and why it is refused (None
-    when it passes)."""
+    in `dtype`. Returns the merged model, the manifest's metrics (each figure once: the merged
+    model's difference and its bound; with a cast, also the float32 merge's and `merge.atol`),
+    and why it is refused (None when it passes)."""
     in_fp32 = model.get_base_model().dtype == torch.float32
     before = _logits(model, ids, mask)
     merged = model.merge_and_unload()
@@ -85,11 +86,11 @@ def merge_and_cast(
         merged = merged.to(dtype)
         diff = _max_diff(_logits(merged, ids, mask), before)
     tolerance = cast_tolerance(dtype, float(before.abs().max()), atol)
+    cast = in_fp32 and dtype != torch.float32  # a float32 merge, then a cast: two checks
     metrics = {
         "max_abs_logit_diff": diff,
         "tolerance": tolerance,
-        **({"merge_logit_diff_fp32": merge_diff} if in_fp32 else {}),
-        "atol": atol,
+        **({"merge_logit_diff_fp32": merge_diff, "merge_atol": atol} if cast else {}),
         "dtype": str(next(merged.parameters()).dtype),
         "parameters": sum(p.numel() for p in merged.parameters()),
     }

@@ -13,7 +13,8 @@ from rlhf_cli.audit.detectors import (
     is_verbose,
 )
 from rlhf_cli.errors import DataError
-from rlhf_cli.recipe import GUIDE_SYCOPHANTIC_OPENERS, AuditSection
+from rlhf_cli.guide import GUIDE_SYCOPHANTIC_OPENERS
+from rlhf_cli.recipe import AuditSection
 
 
 def distinct_words(n: int, prefix: str = "w") -> str:
@@ -210,13 +211,13 @@ def test_the_printed_report_says_not_to_raise_beta_for_brevity(
 ) -> None:
     from rich.console import Console
 
-    from rlhf_cli.audit.measure import render_report
+    from rlhf_cli.views import audit_report
 
     responses = [distinct_words(201) if "verbosity" in flags else "ok", "ok"]
     report = audit_responses(responses, AuditSection(), [distinct_words(400), distinct_words(400)])
     assert report["flags"] == flags
     console = Console(record=True, width=200)
-    render_report(report, AuditSection(), console, "audit")
+    audit_report(report, AuditSection(), console, "audit")
     text = console.export_text()
     assert "Length vs reference" in text and "< 50%" in text
     assert [a for a in ("by 0.05", "do not raise β") if a in text] == actions
