@@ -35,6 +35,7 @@ class VllmSection(Section):
     )
 
 
+# fields that moved under `generation.vllm` in 0.1.0: named in the error until 0.2.0, then removed
 RENAMED_VLLM_FIELDS = {
     "vllm_gpu_memory_utilization": "vllm.gpu_memory_utilization",
     "vllm_tensor_parallel_size": "vllm.tensor_parallel_size",
@@ -74,6 +75,9 @@ class GenerationSection(Section):
                 if old in data:
                     raise ValueError(f"{old} is now {new}: move it under generation.vllm")
         return data
+
+
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
 
 class PpoSection(Section):
@@ -128,11 +132,8 @@ class PpoSection(Section):
     )
     kl_importance_weight: bool = described(
         True,
-        "With `kl_in: loss`, weight each token's KL estimate by the differentiable ratio "
-        "π/π_old, so that with k1 or k3 the term's gradient is that of KL(π‖π_ref), the KL "
-        "`objective/kl` and the evaluation measure (DeepSeek-V3.2; TRL's "
-        "`use_bias_correction_kl`, on by default). false: the plain estimate, whose gradient "
-        "is KL(π_ref‖π)'s with k3 and 0 in expectation with k1.",
+        "With `kl_in: loss`, weight each token's KL estimate by the ratio π/π_old, so that its "
+        "gradient is KL(π‖π_ref)'s (TRL's `use_bias_correction_kl`); why: docs/ppo.md.",
     )
     cliprange: float = described(
         0.2, "ε of the clipped surrogate (the lower ε when `cliprange_high` is set).", gt=0.0
@@ -144,23 +145,16 @@ class PpoSection(Section):
         "symmetric.",
         gt=0.0,
     )
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
-        described(
-            "token_mean",
-            "How each mini-batch's per-token losses (policy, value, entropy bonus, KL with "
-            "`kl_in: loss`) become one: `token_mean` over all its tokens (DAPO; TRL's `dapo`), "
-            "`seq_mean_token_mean` (each response's token mean, then the mean over responses: "
-            "GRPO's paper, TRL's `grpo`), `seq_mean_token_sum_norm` (each response's token sum "
-            "over `generation.max_new_tokens`, then the mean over responses: Dr. GRPO, TRL's "
-            "`dr_grpo`). Exact for the global mini-batch however many processes share it.",
-        )
+    loss_aggregation: LossAggregation = described(
+        "token_mean",
+        "How a mini-batch's per-token losses become one: the mean over its tokens (TRL's "
+        "`dapo`), of each response's token mean (`grpo`), or of each response's token sum over "
+        "`max_new_tokens` (`dr_grpo`); docs/ppo.md#loss-options.",
     )
     logprob_support: Literal["sampled", "full"] = described(
         "sampled",
-        "The distribution the ratio, KL and loss score tokens under: `sampled`, the one the "
-        "sampler drew from (temperature, then top-k and top-p renormalised; tokens outside the "
-        "nucleus get no gradient); `full`, the temperature-scaled softmax over the whole "
-        "vocabulary (TRL's).",
+        "The distribution the ratio, KL and loss score tokens under: `sampled` (temperature, "
+        "top-k, top-p, as drawn) or `full` (temperature only, TRL's); docs/ppo.md#loss-options.",
     )
     cliprange_value: float = described(0.2, "Value clipping range.", gt=0.0)
     vf_coef: float = described(0.1, "c₁: weight of the value loss.", ge=0.0)
