@@ -26,13 +26,16 @@ def fmt_gib(size: int, unit: bool = True) -> str:
 
 
 def memory_cell(metrics: dict[str, Any]) -> str:
-    """`measured / planned` in GiB (the measurement's kind: CUDA-allocated or the CPU's RSS)."""
+    """The measured peak beside the plan's estimate when they measure the same thing (CUDA's
+    allocated bytes against the plan's tensor bytes); on the CPU the process's peak RSS
+    (runtime and libraries included) and the plan's tensor bytes, each named for what it is."""
     measured, planned = metrics.get("peak_memory_bytes"), metrics.get("planned_peak_bytes")
     if measured is None:
         return ""
-    kind = " RSS" if metrics.get("peak_memory_kind") == "cpu_rss" else ""
     plan = fmt_gib(planned) if planned is not None else "—"
-    return f"{fmt_gib(measured)}{kind} / {plan}"
+    if metrics.get("peak_memory_kind") == "cpu_rss":
+        return f"RSS {fmt_gib(measured)}; plan {plan} of tensors"
+    return f"{fmt_gib(measured)} / {plan}"
 
 
 def stage_summary(manifest: dict[str, Any], title: str, out: Console) -> None:
@@ -45,7 +48,8 @@ def stage_summary(manifest: dict[str, Any], title: str, out: Console) -> None:
         if not key.startswith(MEMORY_KEYS):
             table.add_row(key, fmt_number(value))
     if "peak_memory_bytes" in metrics:
-        table.add_row("peak memory / plan", memory_cell(metrics))
+        cpu = metrics.get("peak_memory_kind") == "cpu_rss"
+        table.add_row("peak memory" + ("" if cpu else " / plan"), memory_cell(metrics))
     for warning in manifest.get("warnings", []):
         table.add_row("[yellow]warning[/]", warning)
     out.print(table)
@@ -74,7 +78,7 @@ def plan_report(result: dict[str, Any], out: Console) -> None:
 def run_status(result: dict[str, Any], out: Console) -> None:
     """`rlhf status RUN`: each stage's status, when, memory, key numbers and data; what next."""
     table = Table(
-        "stage", "status", "finished", "peak memory / plan", "key numbers",
+        "stage", "status", "finished", "peak memory", "key numbers",
         title=f"run '{result['run']}'",
     )  # fmt: skip
     for row in result["stages"]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from rlhf_cli import views
 from rlhf_cli.cli import app
 
 
@@ -63,8 +64,10 @@ def test_train_rm_runs_without_sft(make_recipe, tmp_path: Path) -> None:
     path = make_recipe({"data": {"preferences": {"max_samples": 40}}})
     result = invoke("train-rm", "--recipe", str(path))
     assert result.exit_code == 0, result.output
-    # the stage's table (stderr) shows its peak beside the plan in GiB, not raw byte counts
-    assert "peak memory / plan" in result.output and " GiB RSS / " in result.output
+    # the stage's table (stderr) shows the process's RSS and the plan's tensor bytes in GiB,
+    # each named (not one beside the other as if they measured the same), not raw byte counts
+    assert "peak memory" in result.output and "RSS " in result.output
+    assert " GiB of tensors" in result.output and " RSS / " not in result.output
     assert "peak_memory_bytes" not in result.output
     run = tmp_path / "runs" / "tiny"
     assert not (run / "sft").exists()
@@ -78,7 +81,9 @@ def test_train_rm_runs_without_sft(make_recipe, tmp_path: Path) -> None:
     assert rm["metrics"]["peak_memory_kind"] == "cpu_rss"
     assert rm["metrics"]["peak_memory_bytes"] > rm["metrics"]["planned_peak_bytes"] > 0
     table = invoke("status", "--runs-dir", str(tmp_path / "runs"))
-    assert " RSS / " in table.stdout
+    assert "RSS" in table.stdout and " RSS / " not in table.stdout
+    assert views.memory_cell(rm["metrics"]).startswith("RSS ")
+    assert views.memory_cell(rm["metrics"]).endswith(" GiB of tensors")
 
 
 def test_cli_busy_run_exits_2_naming_the_holder(make_recipe, tmp_path):
