@@ -1,5 +1,5 @@
 """`rlhf plan`: the recipe's plan on the GPU or memory asked for, as one JSON-able dict with
-the verdict line and the suggestions (`rlhf_cli/plan.py` does the counting)."""
+the verdict line and the suggestions (`rlhf_cli/plan/` does the counting)."""
 
 from __future__ import annotations
 

@@ -95,6 +95,11 @@ def test_shared_helpers_import_no_layer_above():
         "rlhf_cli.errors",
         "rlhf_cli.tiny",
         "rlhf_cli.plan",
+        "rlhf_cli.plan.gpus",
+        "rlhf_cli.plan.shapes",
+        "rlhf_cli.plan.parts",
+        "rlhf_cli.plan.memory",
+        "rlhf_cli.plan.suggest",
     )
     above = ("rlhf_cli.ppo", "rlhf_cli.audit", "rlhf_cli.stages", "rlhf_cli.cli")
     for module, targets in import_graph().items():
