@@ -21,8 +21,9 @@ from rlhf_cli.rundir import RunDir, atomic_write_json
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import (
     generation_engine,
+    load_policy,
     load_scorer,
-    load_trained_policy,
+    locate_policy,
 )
 
 
@@ -48,7 +49,8 @@ def run_audit(
         device = pick_device(recipe.run.device)
         seed_everything(recipe.run.seed)  # the same audit twice samples the same responses
         check_backend(cfg.generation, recipe.model.quantization.load_in_4bit)
-        policy = load_trained_policy(recipe, run, device, checkpoint, needed_by="rlhf audit")
+        where = locate_policy(recipe, run, checkpoint, needed_by="rlhf audit")
+        policy = load_policy(where, recipe.model, device)
         generator = generation_engine(
             cfg.generation, policy.model, policy.tokenizer, recipe, run.path
         )

@@ -13,8 +13,9 @@ from rlhf_cli.rundir import RunDir
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import (
     generation_engine,
+    load_policy,
     load_scorer,
-    load_trained_policy,
+    locate_policy,
 )
 
 
@@ -23,11 +24,12 @@ def run_compare(recipe: Recipe, prompts: list[str] | None = None) -> list[dict[s
     Seeded from `run.seed`, like the audit: the same call twice gives the same answers, and
     both policies answer a prompt from the same seed."""
     run = RunDir.for_recipe(recipe)
+    where = locate_policy(recipe, run, needed_by="rlhf compare")
     device = pick_device(recipe.run.device)
     seed_everything(recipe.run.seed)
     gen = recipe.audit.generation
     check_backend(gen, recipe.model.quantization.load_in_4bit)
-    policy = load_trained_policy(recipe, run, device, needed_by="rlhf compare")
+    policy = load_policy(where, recipe.model, device)
     if policy.reference is None:
         raise StageError("compare needs the SFT model of the run as reference")
     scorer = load_scorer(recipe, run, device, needed_by="rlhf compare")

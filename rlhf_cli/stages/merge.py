@@ -27,7 +27,7 @@ from rlhf_cli.modeling import load_policy_tokenizer, load_sft_model, pick_device
 from rlhf_cli.recipe import ModelSection, Recipe
 from rlhf_cli.record import StageRecord, require
 from rlhf_cli.rundir import Manifest, RunDir
-from rlhf_cli.stages.trained import check_sft_fits, policy_source
+from rlhf_cli.stages.trained import locate_policy
 
 # A bf16/fp16 copy of a model differs from its float32 original by a few rounding steps
 # (machine epsilon x the largest |logit|): measured on Llamas + LoRA of 2 to 24 layers, random
@@ -108,11 +108,16 @@ def merge_and_cast(
     return merged, metrics, problem
 
 
-def run_merge(recipe: Recipe, console: Console, stage: Literal["ppo", "sft"] = "ppo") -> Manifest:
-    """Merge the PPO (or SFT) adapter; write `runs/<name>/merged/`; return its manifest."""
-    from peft import PeftModel
-
-    run = RunDir.for_recipe(recipe)
+def _adapter_location(
+    recipe: Recipe, run: RunDir, stage: Literal["ppo", "sft"]
+) -> tuple[Path, str, Path | None, str, dict[str, Any]]:
+    """(the adapter to merge, the base it goes on and that base's SFT adapter, the tokenizer,
+    the stages it stands on), worked out before anything loads: the PPO policy where
+    `locate_policy` finds it, or the SFT adapter on `model.name_or_path`."""
+    if stage == "ppo":
+        where = locate_policy(recipe, run, needed_by="rlhf merge")
+        if where.kind == "adapter":
+            return where.folder, where.base, where.sft_adapter, where.tokenizer, where.inputs
     source = run.owner(stage)  # an sft of `run.base` when this run has none
     manifest = require(source, stage, "rlhf merge")
     if "adapter" not in manifest["outputs"]:
@@ -121,22 +126,23 @@ def run_merge(recipe: Recipe, console: Console, stage: Literal["ppo", "sft"] = "
             f"adapter): its model folder is already complete, nothing to merge"
         )
     adapter = source.resolve_output(stage, manifest, "adapter")
+    tokenizer = str(source.resolve_output(stage, manifest, "tokenizer"))
+    return adapter, recipe.model.name_or_path, None, tokenizer, {stage: source.input_record(stage)}
+
+
+def run_merge(recipe: Recipe, console: Console, stage: Literal["ppo", "sft"] = "ppo") -> Manifest:
+    """Merge the PPO (or SFT) adapter; write `runs/<name>/merged/`; return its manifest."""
+    from peft import PeftModel
+
+    run = RunDir.for_recipe(recipe)
+    adapter, base, sft_adapter, tok_source, inputs = _adapter_location(recipe, run, stage)
     device = pick_device("cpu" if recipe.merge.device == "cpu" else recipe.run.device)
     dtype = resolve_dtype(recipe.merge.dtype, device)
-    sft_now: dict[str, Any] = {}
-    base, sft_adapter, tok_source = policy_source(recipe, run, sft_now, "rlhf merge")
     model_cfg = merge_model_config(recipe, load_dtype(base, dtype))
-    if stage == "ppo":
-        check_sft_fits(manifest, sft_now, f"the ppo adapter of run '{source.name}'", "adapter")
-    inputs = {**sft_now, stage: source.input_record(stage)}  # and the SFT it stands on
     with StageRecord(run, "merged", recipe, inputs=inputs) as record:
         # 1. Base in merge.dtype or float32 (the SFT model for a PPO adapter), then the adapter.
         with console.status(f"loading the base in {model_cfg.dtype} and the {stage} adapter"):
-            if stage == "ppo":
-                base_model = load_sft_model(model_cfg, base, sft_adapter, device)
-                tok_source = str(run.resolve_output("ppo", manifest, "tokenizer"))
-            else:
-                base_model = load_sft_model(model_cfg, recipe.model.name_or_path, None, device)
+            base_model = load_sft_model(model_cfg, base, sft_adapter, device)
             model = PeftModel.from_pretrained(base_model, str(adapter)).eval()
         tokenizer = load_policy_tokenizer(recipe.model, tok_source, "left")
 

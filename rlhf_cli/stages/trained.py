@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -95,13 +95,31 @@ class TrainedPolicy:
     label: str  # names the audited thing in reports, e.g. "ppo" or "iter_00050"
 
 
+@dataclass(frozen=True)
+class PolicyLocation:
+    """Where a trained policy is, worked out once before anything loads: what it is (an
+    adapter over the SFT model, whole weights, or a PPO checkpoint of LoRA weights), its
+    folder, its tokenizer, the SFT model it stands on (base weights and adapter), the stages it
+    was made from (`inputs`, for a manifest), and the label reports give it."""
+
+    kind: Literal["adapter", "model", "checkpoint"]
+    folder: Path
+    tokenizer: str
+    base: str
+    sft_adapter: Path | None
+    inputs: dict[str, InputRecord]
+    label: str
+
+
 def _stage_manifest(folder: Path) -> Manifest | None:
     """The manifest of a stage folder, read through RunDir (its errors name the file)."""
     run, stage = RunDir.of_stage_dir(folder)
     return run.read_manifest(stage)
 
 
-def _kind(folder: Path) -> str:
+def folder_kind(folder: Path) -> str:
+    """What a folder holds: a PPO `checkpoint`, a `ppo` or `merged` stage, an `adapter` or a
+    `model`; anything else is a StageError."""
     if (folder / PPO_INDEX).is_file():
         return "checkpoint"
     manifest = _stage_manifest(folder)
@@ -114,62 +132,62 @@ def _kind(folder: Path) -> str:
     raise StageError(f"{folder} is not a PPO run, checkpoint, adapter or model folder")
 
 
-def load_trained_policy(
-    recipe: Recipe,
-    run: RunDir,
-    device: torch.device,
-    source: Path | None = None,
-    model_cfg: ModelSection | None = None,
-    *,
-    needed_by: str,
-) -> TrainedPolicy:
-    """The policy at `source` (default: the run's final PPO policy), dropout off, frozen;
-    `needed_by` (the command) names who asks in the errors of missing stages."""
-    model_cfg = model_cfg or recipe.model
+def locate_policy(
+    recipe: Recipe, run: RunDir, source: Path | None = None, *, needed_by: str
+) -> PolicyLocation:
+    """The policy at `source` (default: the run's final PPO policy), checked against the SFT
+    model it must stand on; `needed_by` (the command) names who asks in the errors of missing
+    stages. Nothing loads."""
     folder = Path(source) if source is not None else run.stage_dir("ppo")
     if source is None:
         require(run, "ppo", needed_by)
     if not folder.is_dir():
         what = "is a file, not" if folder.exists() else "does not exist: give"
         raise StageError(f"{folder} {what} a PPO run, checkpoint, adapter or model folder")
-    kind = _kind(folder)
-    sft_now: dict[str, InputRecord] = {}
-    base, sft_adapter, tok_source = policy_source(recipe, run, sft_now, needed_by)
+    kind = folder_kind(folder)
+    inputs: dict[str, InputRecord] = {}
+    base, sft_adapter, tokenizer = policy_source(recipe, run, inputs, needed_by)
+    label = folder.name if kind == "checkpoint" else run.name
     if kind == "checkpoint":
-        check_sft_fits(checkpoint_state(folder), sft_now, f"the checkpoint {folder}", "adapter")
+        if not recipe.model.lora.enabled:
+            raise StageError(
+                f"{folder}: auditing checkpoints of full-weight PPO runs is not supported; "
+                "audit the final policy instead"
+            )
+        check_sft_fits(checkpoint_state(folder), inputs, f"the checkpoint {folder}", "adapter")
     if kind in ("merged", "ppo"):
         owner, stage = RunDir.of_stage_dir(folder)
         manifest = require(owner, stage, needed_by)
         if kind == "ppo":
-            tok_source = str(owner.resolve_output(stage, manifest, "tokenizer"))
+            tokenizer = str(owner.resolve_output(stage, manifest, "tokenizer"))
         kind = "adapter" if "adapter" in manifest["outputs"] else "model"
-        check_sft_fits(manifest, sft_now, f"the {stage} {kind} of run '{owner.name}'", kind)
+        check_sft_fits(manifest, inputs, f"the {stage} {kind} of run '{owner.name}'", kind)
+        inputs[stage] = owner.input_record(stage)
         folder = owner.resolve_output(stage, manifest, kind)
-    tokenizer = load_policy_tokenizer(model_cfg, tok_source, "left")
-    label = folder.name if kind == "checkpoint" else run.name
-    if kind == "model":
-        model = load_causal_lm(
-            str(folder), model_cfg.variant(lora=False, load_in_4bit=False), device, trainable=False
-        )
-        reference_model = load_sft_model(model_cfg, base, sft_adapter, device)
-        return TrainedPolicy(model, Reference(model, reference_model), tokenizer, label)
-    sft_model = load_sft_model(model_cfg, base, sft_adapter, device)
-    if kind == "adapter":
-        model = with_trained_adapter(sft_model, folder)
+    return PolicyLocation(kind, folder, tokenizer, base, sft_adapter, inputs, label)  # type: ignore[arg-type]
+
+
+def load_policy(
+    where: PolicyLocation, model_cfg: ModelSection, device: torch.device
+) -> TrainedPolicy:
+    """The policy `where` says, dropout off, frozen, with its reference (the SFT model)."""
+    tokenizer = load_policy_tokenizer(model_cfg, where.tokenizer, "left")
+    sft_model = load_sft_model(model_cfg, where.base, where.sft_adapter, device)
+    if where.kind == "model":
+        whole = model_cfg.variant(lora=False, load_in_4bit=False)
+        model = load_causal_lm(str(where.folder), whole, device, trainable=False)
+        return TrainedPolicy(model, Reference(model, sft_model), tokenizer, where.label)
+    if where.kind == "adapter":
+        model = with_trained_adapter(sft_model, where.folder)
     else:  # a checkpoint: the PPO construction (4-bit bases prepared alike), then its weights
         from safetensors.torch import load_file
 
-        if not model_cfg.lora.enabled:
-            raise StageError(
-                f"{folder}: auditing checkpoints of full-weight PPO runs is not "
-                "supported; audit the final policy instead"
-            )
         model = make_trainable(sft_model, model_cfg, "CAUSAL_LM", no_dropout=True)
-        missing = model.load_state_dict(load_file(folder / "policy.safetensors"), strict=False)
-        if missing.unexpected_keys:
-            raise StageError(f"{folder} does not match this recipe's LoRA settings")
+        loaded = load_file(where.folder / "policy.safetensors")
+        if model.load_state_dict(loaded, strict=False).unexpected_keys:
+            raise StageError(f"{where.folder} does not match this recipe's LoRA settings")
     set_dropout(model, 0.0)
-    return TrainedPolicy(freeze(model), Reference(model), tokenizer, label)
+    return TrainedPolicy(freeze(model), Reference(model), tokenizer, where.label)
 
 
 def load_scorer(

@@ -162,10 +162,15 @@ def test_in_training_audit_samples_the_frozen_reference_once(
 ) -> None:
     from rlhf_cli.audit import measure
     from rlhf_cli.stages.ppo import _live_audit
-    from rlhf_cli.stages.trained import generation_engine, load_scorer, load_trained_policy
+    from rlhf_cli.stages.trained import (
+        generation_engine,
+        load_policy,
+        load_scorer,
+        locate_policy,
+    )
 
     recipe, run, cpu = trained.recipe, trained.run, torch.device("cpu")
-    policy = load_trained_policy(recipe, run, cpu, None, needed_by="rlhf audit")
+    policy = load_policy(locate_policy(recipe, run, needed_by="rlhf audit"), recipe.model, cpu)
     generator = generation_engine(
         recipe.audit.generation, policy.model, policy.tokenizer, recipe, run.path
     )

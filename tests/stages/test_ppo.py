@@ -430,7 +430,7 @@ def test_4bit_ppo_on_a_lora_sft_stacks_its_adapter_over_the_sft_one(tmp_path, sm
     from rlhf_cli.stages.merge import run_merge
     from rlhf_cli.stages.ppo import run_ppo
     from rlhf_cli.stages.sft import run_sft
-    from rlhf_cli.stages.trained import load_trained_policy, policy_source
+    from rlhf_cli.stages.trained import load_policy, locate_policy, policy_source
 
     rules = Path(__file__).resolve().parents[2] / "examples" / "rewards.py"
     recipe = load_recipe(
@@ -455,9 +455,10 @@ def test_4bit_ppo_on_a_lora_sft_stacks_its_adapter_over_the_sft_one(tmp_path, sm
     ]
 
     ids = torch.randint(10, 200, (2, 12), generator=torch.Generator().manual_seed(0))
-    final = load_trained_policy(recipe, run, cpu, needed_by="rlhf audit")
+    final = load_policy(locate_policy(recipe, run, needed_by="rlhf audit"), recipe.model, cpu)
     checkpoint = run.stage_dir("ppo") / "checkpoints" / "iter_00002"
-    at_checkpoint = load_trained_policy(recipe, run, cpu, source=checkpoint, needed_by="rlhf audit")
+    where = locate_policy(recipe, run, checkpoint, needed_by="rlhf audit")
+    at_checkpoint = load_policy(where, recipe.model, cpu)
     base, sft_adapter, _ = policy_source(recipe, run, {})
     frozen = load_causal_lm(base, recipe.model.variant(lora=False), cpu, trainable=False)
     sft = PeftModel.from_pretrained(frozen, str(sft_adapter)).eval()
