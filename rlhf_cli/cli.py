@@ -5,6 +5,8 @@ errors to exit codes: user mistakes 2 (one line each, no traceback), hacking det
 130 (after the stage has saved what it can). Anything else is a bug: exit 70, its traceback in
 `error.log` in the folder of the stage that was running (else of the run, else a file in the
 temp folder), and one stderr line naming the error and that file (`_internal_error`).
+
+Long because each command declares its options where Typer reads them; the work is in stages/.
 """
 
 from __future__ import annotations

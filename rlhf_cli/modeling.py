@@ -8,6 +8,10 @@ An SFT adapter is merged into full-precision base weights, but kept as a frozen 
 `SFT_ADAPTER`) on a 4-bit base, under the PPO adapter: merging into NF4 re-quantises the weights,
 and a delta of a few percent of the weight scale mostly falls between NF4's steps (about 13%
 of it survived at 4%).
+
+Long because every way a model of the pipeline loads (dtype, device, 4-bit, LoRA, the SFT
+adapter, the reference, the reward model, dropout) is decided here once; what a loaded model
+must fit is model_checks.py.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import Tensor, nn
 
 from rlhf_cli.errors import ModelLoadError
 from rlhf_cli.generation import forward_logits
+from rlhf_cli.model_checks import check_lora_targets
 from rlhf_cli.recipe import BUILTIN_PREFIX, LoraSection, ModelSection, QuantizationSection
 from rlhf_cli.tiny import BUILTINS, check_builtin, gguf_folder
 
@@ -157,20 +162,9 @@ def bnb_config(q: QuantizationSection, device: torch.device) -> Any:
 
 
 def keep_4bit_unpacked(model: torch.nn.Module) -> torch.nn.Module:
-    """Every 4-bit layer of `model` keeps bitsandbytes' standard weight layout on every CPU.
-
-    On a CPU with AVX512-BF16, bitsandbytes (0.50 here) rewrites a `Linear4bit` weight into
-    a packed layout on the layer's first forward that runs in eval mode without gradients (our
-    rollout log-probs, the reference, old values, held-out evaluation, the audit). That layout
-    (1) has no backward through the layer, so every later training forward silently loses the
-    gradient into the LoRA weights below it; (2) keeps the block scales in bfloat16, so packed
-    log-probs differ from the training forward's (a ratio that is not 1 at the first step) and
-    from any machine without the instruction set; (3) needs in_features divisible by the
-    quantisation block and out_features by 32, or the forward fails; and (4) is undone at the
-    next `state_dict` (any checkpoint save) into another model: bitsandbytes 0.50 leaves the
-    block scales in the packed order, which moved the tiny model's logits by 0.36. Called on
-    every 4-bit model we load (`_load_weights`; adapters wrap its layers, not rebuild them;
-    tests/unit/test_bnb_cpu_packing.py)."""
+    """Every 4-bit layer of `model` keeps bitsandbytes' standard weight layout on every CPU (its
+    AVX512-BF16 packed layout has no backward and changes the log-probs: docs/ppo.md, "4-bit
+    weights on the CPU"). Called on every 4-bit model we load (`_load_weights`)."""
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
@@ -275,11 +269,8 @@ def make_trainable(
     whatever trains (compute may still run in half precision, under autocast):
 
     - 4-bit base: frozen, every weight left in its dtype, and given LoRA (stacked over the
-      frozen SFT adapter of a 4-bit SFT model: `add_ppo_adapter`). Not peft's
-      `prepare_model_for_kbit_training`, which upcasts the embeddings, norms and LM head to fp32:
-      the residual stream, the KV cache and the logits then run in fp32 too (measured on NF4
-      SmolLM2-135M in bf16: KV cache x2, activations kept for backward +53%, frozen weights x2;
-      TRL 1.x no longer calls it either);
+      frozen SFT adapter of a 4-bit SFT model: `add_ppo_adapter`); not peft's
+      `prepare_model_for_kbit_training` (docs/ppo.md, "4-bit weights on the CPU");
     - LoRA: a fresh adapter, the base frozen in its dtype (peft upcasts the adapter to fp32,
       `autocast_adapter_dtype`; `upcast_trainable` makes sure of it);
     - neither: every weight trains, in fp32.
@@ -304,72 +295,6 @@ def make_trainable(
         model.requires_grad_(True)
     upcast_trainable(model)
     return model
-
-
-def check_lora_targets(model: nn.Module, lora: LoraSection, field: str) -> None:
-    """Every name in `lora.target_modules` (the recipe field `field`) matches a module of
-    `model`, as peft matches it (the whole name or its last parts): peft refuses a list of which
-    none matches with a traceback, and trains fewer layers than asked, silently, when only some
-    do (a typo beside `q_proj`)."""
-    if lora.target_modules == "all-linear":
-        return
-    names = [name for name, _ in model.named_modules()]
-    missing = [
-        target
-        for target in lora.target_modules
-        if not any(name == target or name.endswith("." + target) for name in names)
-    ]
-    if missing:
-        linear = sorted(
-            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        )
-        raise ModelLoadError(
-            f"{field}: {', '.join(missing)} names no module of the model; its linear layers are "
-            f"{', '.join(linear)} (or write all-linear)"
-        )
-
-
-def model_context(model: Any) -> int | None:
-    """The most tokens `model` takes in one sequence: its (text) config's
-    `max_position_embeddings` (GPT-2's `n_positions` through its attribute map); None where the
-    config gives none."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    context = getattr(config, "max_position_embeddings", None)
-    return context if isinstance(context, int) and context > 0 else None
-
-
-def check_context(model: Any, lengths: dict[str, int], whose: str) -> None:
-    """The recipe's `lengths` (field -> tokens) together fit `model`'s context (`whose`: the
-    policy, the reward model), checked before any text reaches it: a model with learned
-    positions (BERT, GPT-2) fails on the first longer sequence (an index error, on CUDA a
-    device-side assert), a rotary one runs past what it was trained on, and vLLM refuses."""
-    context, need = model_context(model), sum(lengths.values())
-    if context is None or need <= context:
-        return
-    fields = " + ".join(lengths)
-    values = " + ".join(str(v) for v in lengths.values())
-    shown = f"({values} = {need})" if len(lengths) > 1 else f"({need})"
-    what = "it" if len(lengths) == 1 else "their sum"
-    raise ModelLoadError(
-        f"{fields} {shown} exceeds {whose}'s context of {context} tokens: make {what} at most "
-        f"{context}"
-    )
-
-
-def check_vocab(model: Any, tokenizer: Any, field: str, whose: str) -> None:
-    """`tokenizer` (the recipe field `field` names it, or the model's own) gives no token id
-    past `model`'s embeddings (`whose`: the policy, the reward model): such an id fails the
-    forward (an index error, on CUDA a device-side assert) at the first text that has it. A
-    model that names no input embeddings has nothing to check against."""
-    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
-    vocab = getattr(embeddings, "num_embeddings", None)
-    if vocab is not None and tokenizer is not None and len(tokenizer) > vocab:
-        raise ModelLoadError(
-            f"{field}: the tokenizer has {len(tokenizer)} tokens but {whose} only {vocab} "
-            f"embeddings: set {field} to the model's own tokenizer"
-        )
 
 
 def has_sft_adapter(model: Any) -> bool:

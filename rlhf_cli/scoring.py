@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from rlhf_cli.generation import position_ids_from
-from rlhf_cli.modeling import check_context, check_vocab
+from rlhf_cli.model_checks import check_context, check_vocab
 from rlhf_cli.rewards import RewardFn, call_reward_function
 
 Features = dict[str, list[list[int]]]  # `input_ids`, and `token_type_ids` where encoded as pairs

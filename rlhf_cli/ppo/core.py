@@ -24,6 +24,9 @@ References
   token-level loss (eq. 8), clip-higher (sec. 3.1).
 - [Dr. GRPO] Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
   sec. 3.1: the per-sequence length normalisation replaced by a constant.
+
+Long because it is the whole of the PPO maths, one short pure function per formula, each with
+its hand-checked test: split, the formulas read together would be scattered.
 """
 
 from __future__ import annotations

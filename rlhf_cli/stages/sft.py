@@ -10,9 +10,8 @@ from rich.console import Console
 from rlhf_cli.data import Example, load_sft, prompt_text, split_eval
 from rlhf_cli.datacheck import sft_figures
 from rlhf_cli.errors import StageError
+from rlhf_cli.model_checks import check_context, check_vocab
 from rlhf_cli.modeling import (
-    check_context,
-    check_vocab,
     load_causal_lm,
     load_policy_tokenizer,
     pick_device,

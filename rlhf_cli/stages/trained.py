@@ -16,11 +16,10 @@ import torch
 
 from rlhf_cli.errors import StageError
 from rlhf_cli.generation import Generator, generator_for
+from rlhf_cli.model_checks import check_context, check_vocab
 from rlhf_cli.modeling import (
     Reference,
     check_bf16,
-    check_context,
-    check_vocab,
     freeze,
     load_causal_lm,
     load_policy_tokenizer,
