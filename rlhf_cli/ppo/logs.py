@@ -13,8 +13,8 @@ from rich.console import Console
 
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.distributed import gather_mean_std, global_sum
+from rlhf_cli.ppo.experience import Rollout
 from rlhf_cli.ppo.health import RANGES, HealthMonitor
-from rlhf_cli.ppo.rollout import Rollout
 from rlhf_cli.tracking import MetricsWriter
 
 

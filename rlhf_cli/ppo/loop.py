@@ -12,12 +12,12 @@ import math
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from rlhf_cli.errors import NonFiniteError
-from rlhf_cli.generation import response_logprobs, row_seed, score_temperature
+from rlhf_cli.generation import response_logprobs, score_temperature
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.distributed import (
     any_process,
@@ -26,12 +26,12 @@ from rlhf_cli.ppo.distributed import (
     global_sum,
     minibatch_rows,
     minibatch_shares,
-    prompt_rows,
     scalar,
 )
 from rlhf_cli.ppo.estimators import Batch, GlobalRows, estimator
+from rlhf_cli.ppo.experience import Rollout
 from rlhf_cli.ppo.logs import finite, iteration_metrics, progress_info, summarize
-from rlhf_cli.ppo.rollout import Rollout, collect_rollout, logprob_mismatch
+from rlhf_cli.ppo.rollout import collect_rollout, logprob_mismatch
 from rlhf_cli.ppo.run import PPORun, checkpoint, heldout_eval, live_audit
 from rlhf_cli.recipe import PpoSection
 from rlhf_cli.stopping import graceful_stop
@@ -76,41 +76,22 @@ def run_iteration(
     """One PPO iteration: rollout, advantages, K epochs of updates, β update. Returns the
     iteration's metrics, its rollout and the per-token KL (b, r) the rewards were shaped with
     (None at β = 0, when no reference ran)."""
-    cfg, acc, models, state = run.recipe.ppo, run.accelerator, run.models, run.state
+    cfg, acc, state = run.recipe.ppo, run.accelerator, run.state
     t0 = time.perf_counter()
     kl_coef = state.kl_ctl.value  # β as it stands at this iteration
-    # 1. Rollout: this process's prompts, answers (each row from its own seed), scores, old
-    #    log-probs, values, reference log-probs (none at β = 0: the KL would shape nothing);
-    #    in the precision of the update's forward.
-    index = prompt_rows(acc, len(run.prompts), cfg.batch_size, cfg.num_generations, state.sampler)
-    rows = range(acc.process_index, cfg.batch_size, acc.num_processes)  # global batch rows
-    with acc.autocast(), models.engine.gathered(models.actor) as actor:
-        models.generator.sync(actor.policy)  # a separate engine (vLLM) gets the latest weights
-        rollout = collect_rollout(
-            actor,
-            models.reference if kl_coef > 0 else None,
-            models.scorer,
-            models.generator,
-            [run.prompts[i] for i in index],
-            [run.queries[i] for i in index],
-            cfg,
-            state.score_moments,
-            lambda x: acc.gather(x.to(acc.device)).cpu(),
-            seeds=[row_seed(run.recipe.run.seed, iteration, row) for row in rows],
-        )
+    # 1. Rollout: this process's prompts, answers, scores, old log-probs, values, reference
+    #    log-probs.
+    rollout = collect_rollout(run, iteration)
     # 2. Advantages from KL-shaped rewards.
-    rewards, kl, advantages, returns = advantages_of(
-        rollout, kl_coef, cfg, global_sum(acc), global_rows(acc)
-    )
+    shaped = advantages_of(rollout, kl_coef, cfg, global_sum(acc), global_rows(acc))
     # 3. Update: K epochs over shuffled mini-batches.
     t_update = time.perf_counter()
-    stats = ppo_update(run, rollout, advantages, returns, kl_coef)
+    stats = ppo_update(run, rollout, shaped.advantages, shaped.returns, kl_coef)
     update_s = time.perf_counter() - t_update
     # 4. β moves once per iteration, toward the target KL.
     critic = estimator(cfg.advantage_estimator).needs_critic
-    metrics = iteration_metrics(
-        acc, rollout, kl, rewards, returns if critic else None, kl_coef, stats
-    )
+    returns = shaped.returns if critic else None
+    metrics = iteration_metrics(acc, rollout, shaped.kl, shaped.rewards, returns, kl_coef, stats)
     if math.isfinite(metrics.get("objective/kl", math.nan)):  # no KL measured at β = 0
         state.kl_ctl.update(metrics["objective/kl"], cfg.batch_size)
     n_tokens = float(acc.reduce(rollout.response_mask.sum().float(), "sum"))
@@ -123,7 +104,7 @@ def run_iteration(
     metrics.update(global_max(acc, slowest))  # the slowest process sets the pace
     metrics["tokens/generated_per_s"] = n_tokens / metrics["time/rollout_s"]
     metrics["iteration"] = iteration
-    return metrics, rollout, kl
+    return metrics, rollout, shaped.kl
 
 
 def ppo_update(
@@ -157,6 +138,10 @@ def ppo_update(
                 if not part.all_finite:  # every process agrees, or the collectives would hang
                     skipped += 1
                     continue
+                # `part.loss` weighs this process's loss, aggregated over its own rows, by its
+                # share of the global mini-batch's aggregation units times the number of
+                # processes (which the gradient mean divides back out), so the step is the one
+                # a single process would take on the whole mini-batch.
                 acc.backward(loss * part.loss)
                 if acc.sync_gradients:
                     stats["grad_norm"].append(
@@ -234,18 +219,26 @@ def minibatch_loss(
     return loss, parts
 
 
+class Advantages(NamedTuple):
+    """What `advantages_of` gives the update and the logs, each (b, r)."""
+
+    rewards: torch.Tensor  # per token: the score on the last one, KL-shaped, maybe whitened
+    kl: torch.Tensor | None  # k1 per token; None when no reference ran (β = 0)
+    advantages: torch.Tensor
+    returns: torch.Tensor  # the value targets; 0 without a critic
+
+
 def advantages_of(
     rollout: Rollout,
     kl_coef: float,
     cfg: PpoSection,
     reduce_sum: core.Reducer = None,
     across: GlobalRows = lambda fn, x: fn(x),
-) -> tuple[torch.Tensor, ...]:
+) -> Advantages:
     """Per-token rewards (the score on the last token, minus β × the KL estimate per token when
-    `kl_in: reward`, whitened when `whiten_rewards`), then the estimator's advantages
-    (estimators.py). Statistics are the global batch's (`reduce_sum` sums over processes,
-    `across` sees every row). Returns (rewards, k1 KL per token, advantages, returns); returns
-    are 0 without a critic; the KL is None when no reference ran (β = 0)."""
+    `kl_in: reward`, whitened when `whiten_rewards`), then the estimator's advantages and
+    returns (estimators.py). Statistics are the global batch's (`reduce_sum` sums over
+    processes, `across` sees every row)."""
     mask = rollout.response_mask
     beta = kl_coef if cfg.kl_in == "reward" else 0.0
     rewards, kl = core.kl_penalized_rewards(
@@ -255,4 +248,4 @@ def advantages_of(
         rewards = core.masked_whiten(rewards, mask, shift_mean=False, reduce_sum=reduce_sum)
     batch = Batch(rewards, rollout.values, mask)
     advantages, returns = estimator(cfg.advantage_estimator).fn(batch, cfg, reduce_sum, across)
-    return rewards, kl, advantages, returns
+    return Advantages(rewards, kl, advantages, returns)

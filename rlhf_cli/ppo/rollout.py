@@ -1,6 +1,8 @@
-"""Rollout: PPO's experience for one iteration. Answers come from the generation module; here
-they are scored by the reward model (penalised when unended, optionally normalised, clipped) and
-evaluated once by the policy, value head and reference, all under inference mode.
+"""Rollout: PPO's experience for one iteration. `collect_rollout` takes this process's rows of the
+iteration's batch and runs `rollout_batch` on the actor's whole weights: answers come from the
+generation module; here they are scored by the reward model (penalised when unended, optionally
+normalised, clipped) and evaluated once by the policy, value head and reference, all under
+inference mode.
 
 The details that decide whether PPO works (Huang et al. 2023, "The N implementation details"):
 - the score goes on the last real response token, never on a pad after it (core.py);
@@ -16,42 +18,24 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from rlhf_cli.generation import Generations, Generator, response_logits, response_logprobs
+from rlhf_cli.generation import (
+    Generator,
+    response_logits,
+    response_logprobs,
+    row_seed,
+)
 from rlhf_cli.modeling import Reference
 from rlhf_cli.ppo.core import RunningMoments
+from rlhf_cli.ppo.distributed import prompt_rows
+from rlhf_cli.ppo.experience import Rollout
 from rlhf_cli.ppo.models import PolicyAndValue
+from rlhf_cli.ppo.run import PPORun
 from rlhf_cli.recipe import PpoSection
 from rlhf_cli.scoring import RewardScorer
-
-
-@dataclass
-class Rollout(Generations):
-    """One iteration's experience: the answers (b = rollouts on this process) with their
-    scores and the rollout-time log-probs and values, each (b, r) unless noted."""
-
-    scores: Tensor  # (b,) reward-model scores (after penalties / clipping)
-    raw_scores: Tensor  # (b,) as the reward model gave them
-    logprobs: Tensor  # policy at rollout time (the "old" log-probs), in `ppo.logprob_support`
-    warped_logprobs: Tensor  # the same under the sampler's own distribution (top-k, top-p)
-    ref_logprobs: Tensor | None  # None: no reference forward ran (β = 0)
-    values: Tensor
-    prompts: list[str]
-    n_truncated: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def select(self, index: Tensor) -> dict[str, Tensor]:
-        """The tensors a mini-batch update needs, for rollouts `index`."""
-        return {
-            "input_ids": self.input_ids[index],
-            "attention_mask": self.attention_mask[index],
-            "response_ids": self.response_ids[index],
-            "response_mask": self.response_mask[index],
-        }
 
 
 def shaped_scores(
@@ -76,8 +60,33 @@ def shaped_scores(
     return scores
 
 
+def collect_rollout(run: PPORun, iteration: int) -> Rollout:
+    """Iteration `iteration`'s rollout on this process (torchtune's `generate_trajectory_batched`):
+    its rows of the global batch, drawn by the run's prompt sampler (alike on every process),
+    each answered from its own seed (`generation.row_seed`); generated, scored and evaluated
+    (`rollout_batch`) on the actor's whole weights, gathered once, in the precision of the
+    update's forward. At β = 0 no reference forward runs: the KL would shape nothing."""
+    cfg, acc, models, state = run.recipe.ppo, run.accelerator, run.models, run.state
+    index = prompt_rows(acc, len(run.prompts), cfg.batch_size, cfg.num_generations, state.sampler)
+    rows = range(acc.process_index, cfg.batch_size, acc.num_processes)  # global batch rows
+    with acc.autocast(), models.engine.gathered(models.actor) as actor:
+        models.generator.sync(actor.policy)  # a separate engine (vLLM) gets the latest weights
+        return rollout_batch(
+            actor,
+            models.reference if state.kl_ctl.value > 0 else None,
+            models.scorer,
+            models.generator,
+            [run.prompts[i] for i in index],
+            [run.queries[i] for i in index],
+            cfg,
+            state.score_moments,
+            lambda x: acc.gather(x.to(acc.device)).cpu(),
+            seeds=[row_seed(run.recipe.run.seed, iteration, row) for row in rows],
+        )
+
+
 @torch.inference_mode()
-def collect_rollout(
+def rollout_batch(
     actor: PolicyAndValue,
     reference: Reference | None,
     scorer: RewardScorer,

@@ -8,14 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from rlhf_cli.audit.detectors import GUIDE_FLAGS
 from rlhf_cli.errors import CheckpointWriteError, write_remedy
 from rlhf_cli.generation import Generator
 from rlhf_cli.modeling import Reference
-from rlhf_cli.ppo import core
-from rlhf_cli.ppo.checkpoint import save_checkpoint
+from rlhf_cli.ppo.checkpoint import TrainState, save_checkpoint
 from rlhf_cli.ppo.distributed import any_process
 from rlhf_cli.ppo.logs import RunLogs
 from rlhf_cli.ppo.models import PolicyAndValue
@@ -37,17 +34,6 @@ class Models:
 
 
 @dataclass
-class TrainState:
-    """What a checkpoint saves and `--resume` restores, with `RunLogs.health`."""
-
-    optimizer: Any
-    scheduler: Any
-    kl_ctl: Any  # core.AdaptiveKLController or FixedKLController
-    sampler: torch.Generator  # prompt draws and mini-batch shuffles, alike on every process
-    score_moments: core.RunningMoments | None  # `ppo.score_norm`
-
-
-@dataclass
 class Hooks:
     """The live audit (`audit.every`) and held-out evaluation, each on the whole actor."""
 
@@ -62,7 +48,7 @@ class PPORun:
     recipe: Recipe
     accelerator: Any
     models: Models
-    state: TrainState
+    state: TrainState  # what a checkpoint saves besides the weights, with `logs.health`
     hooks: Hooks
     logs: RunLogs
     prompts: list[str]
@@ -77,23 +63,13 @@ class PPORun:
 
 def checkpoint(run: PPORun, iteration: int) -> Path:
     """Every process writes its part (`checkpoint.save_checkpoint`)."""
-    state, root = run.state, run.stage_dir / "checkpoints"
+    root, models = run.stage_dir / "checkpoints", run.models
+    extra = {
+        "inputs": run.inputs,  # what the weights fit: `--resume` and audit check it
+        "health_seen": sorted(run.logs.health.seen),
+    }
     try:
-        return save_checkpoint(
-            root,
-            iteration,
-            engine=run.models.engine,
-            actor=run.models.actor,
-            optimizer=state.optimizer,
-            scheduler=state.scheduler,
-            kl_ctl=state.kl_ctl,
-            sampler=state.sampler,
-            extra={
-                "inputs": run.inputs,  # what the weights fit: `--resume` and audit check it
-                "health_seen": sorted(run.logs.health.seen),
-                "score_moments": state.score_moments and state.score_moments.state_dict(),
-            },
-        )
+        return save_checkpoint(root, iteration, models.engine, models.actor, run.state, extra)
     except OSError as exc:
         previous = numbered(root, PPO_CHECKPOINT)
         raise CheckpointWriteError(

@@ -1,11 +1,13 @@
-"""What the TRL-based stages (sft, train-rm) share: trainer arguments, progress, metrics,
-checkpoints and --resume."""
+"""What the training stages share: seeding, the one fresh-start and --resume path
+(`start_or_resume`), and for the TRL-based ones (sft, train-rm) trainer arguments, progress,
+metrics and checkpoints."""
 
 from __future__ import annotations
 
 import json
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +89,7 @@ def trainer_kwargs(
 
 class StageCallback(TrainerCallback):
     """What the stage adds to TRL's trainer: a rich progress bar over optimiser steps, every
-    log line into metrics.jsonl once `writer` is set (`begin_writing`), and the Ctrl-C
+    log line into metrics.jsonl once `writer` is set (`start_or_resume_trainer`), and the Ctrl-C
     checkpoint: with `stopping.graceful_stop`'s `flag` (set by `train_resumable`), after the step
     in which Ctrl-C or SIGTERM came to any process, every process decides to stop (`stopping`),
     the Trainer writes a checkpoint and stops, skipping the end-of-epoch evaluation. Every
@@ -201,29 +203,50 @@ RECIPE_CHANGED = (
 )
 
 
-def begin_writing(
+def start_or_resume(
+    record: StageRecord,
+    checkpoint: tuple[Path, list[str]] | None,
+    console: Console,
+    restore: Callable[[Path], int],
+    logs: tuple[str, ...] = ("metrics.jsonl",),
+) -> tuple[int, list[MetricsWriter]]:
+    """Where a stage starts writing over its earlier result (`record.replacing()`), fresh or
+    from `checkpoint` (`resume.resume_point`'s folder and notes); returns the step it starts
+    after and a writer for each of its `logs`.
+
+    Fresh (step 0): the earlier attempt's checkpoints are deleted (never to be resumed later)
+    and the logs start over. Resume: the notes (damaged checkpoints skipped) go to the console
+    and the manifest's warnings, `restore(folder)` restores what the stage keeps and returns the
+    checkpoint's step (a checkpoint that does not fit is refused before anything is written),
+    and the logs are cut back to that step and appended to."""
+    step, resume = 0, checkpoint is not None
+    if checkpoint is not None:
+        folder, notes = checkpoint
+        resume_notes(record, notes, console)
+        step = restore(folder)
+    record.replacing()
+    if not resume:
+        drop_checkpoints(record)
+    elif record.write:
+        for name in logs:
+            truncate_metrics(record.dir / name, step)
+    return step, [MetricsWriter(record.dir / name, record.write, resume) for name in logs]
+
+
+def start_or_resume_trainer(
     record: StageRecord, checkpoint: tuple[Path, list[str]] | None, console: Console
 ) -> MetricsWriter:
-    """From here the stage writes over its earlier result (`record.replacing()`). A fresh start
-    removes an earlier attempt's checkpoints (never to be resumed later) and starts
-    metrics.jsonl over; a resume notes the damaged checkpoints it skipped and a recipe changed
-    since the interrupted attempt, records `resumed_from` in the manifest and cuts
-    metrics.jsonl back to its checkpoint's step."""
-    record.replacing()
-    path = record.dir / "metrics.jsonl"
-    if checkpoint is None:
-        drop_checkpoints(record)
-        return MetricsWriter(path, enabled=record.write)
-    folder, notes = checkpoint
-    earlier = record.previous_manifest().get("recipe_sha256")
-    if earlier not in (None, record.manifest["recipe_sha256"]):
-        notes = [*notes, RECIPE_CHANGED]
-    resume_notes(record, notes, console)
-    step = checkpoint_step(folder)
-    record.manifest["resumed_from"] = {"checkpoint": folder.name, "step": step}
-    if record.write:
-        truncate_metrics(path, step)
-    return MetricsWriter(path, enabled=record.write, resume=True)
+    """`start_or_resume` for a Trainer stage, whose Trainer restores the checkpoint itself
+    (`train_resumable`); its metrics.jsonl writer. A resume also notes a recipe changed since
+    the interrupted attempt and records `resumed_from` in the manifest."""
+    if checkpoint is not None:
+        earlier = record.previous_manifest().get("recipe_sha256")
+        if earlier not in (None, record.manifest["recipe_sha256"]):
+            checkpoint = (checkpoint[0], [*checkpoint[1], RECIPE_CHANGED])
+    step, (writer,) = start_or_resume(record, checkpoint, console, checkpoint_step)
+    if checkpoint is not None:
+        record.manifest["resumed_from"] = {"checkpoint": checkpoint[0].name, "step": step}
+    return writer
 
 
 def run_train_loss(record: StageRecord, result: Any) -> float:

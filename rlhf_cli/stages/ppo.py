@@ -32,20 +32,20 @@ from rlhf_cli.modeling import (
     save_trained,
 )
 from rlhf_cli.ppo import core
-from rlhf_cli.ppo.checkpoint import checkpoint_state, load_checkpoint
+from rlhf_cli.ppo.checkpoint import TrainState, checkpoint_state, load_checkpoint
 from rlhf_cli.ppo.distributed import lost_process_as_error
 from rlhf_cli.ppo.health import HealthMonitor
 from rlhf_cli.ppo.logs import RunLogs, summarize
 from rlhf_cli.ppo.loop import train
 from rlhf_cli.ppo.models import PolicyAndValue, PpoSources, build_actor
-from rlhf_cli.ppo.run import Hooks, Models, PPORun, TrainState
-from rlhf_cli.ppo.sharding import Engine, build_accelerator, engine_for
+from rlhf_cli.ppo.run import Hooks, Models, PPORun
+from rlhf_cli.ppo.sharding import build_accelerator, engine_for
 from rlhf_cli.recipe import PpoSection, Recipe
 from rlhf_cli.record import StageRecord
 from rlhf_cli.resume import PPO_CHECKPOINT, check_same_inputs, ppo_checkpoint_problem, resume_point
 from rlhf_cli.rundir import InputRecord, Manifest, RunDir
 from rlhf_cli.scoring import RewardScorer
-from rlhf_cli.stages.common import drop_checkpoints, resume_notes, seed_everything
+from rlhf_cli.stages.common import seed_everything, start_or_resume
 from rlhf_cli.stages.trained import (
     frozen_scorer,
     generation_engine,
@@ -53,12 +53,10 @@ from rlhf_cli.stages.trained import (
     reward_source,
 )
 from rlhf_cli.tracking import (
-    MetricsWriter,
     Trackers,
     finish_trackers,
     read_metrics,
     tracker_config,
-    truncate_metrics,
 )
 
 
@@ -160,41 +158,44 @@ def setup(
     check_fit(recipe, actor.policy, scorer.model, scorer.tokenizer)
     generator = generation_engine(cfg.generation, actor.policy, tokenizer, recipe, stage_dir)
 
-    # 3. The engine wraps (or shards) the actor and builds its optimizer; schedule, KL
-    # controller, prompt sampler; then resume if asked.
+    # 3. The engine wraps (or shards) the actor and builds its optimizer; the rest of the
+    # training state; then the fresh start or the resume, with the logs.
     prepared_actor, optimizer = engine.prepare(actor, adamw(cfg))
-    scheduler, kl_ctl, sampler = controllers(recipe, optimizer)
+    state = fresh_state(recipe, optimizer)
     # models are built alike everywhere (FSDP2 shards each process's copy); now per process
     seed_everything(recipe.run.seed + accelerator.process_index)
-    parts = (engine, prepared_actor, optimizer, scheduler, kl_ctl, sampler)
-    state = _resume(record, checkpoint, parts, console) if checkpoint else {"iteration": 0}
-    record.replacing()  # from here the earlier result's checkpoints and logs are written over
-    if checkpoint is None:  # never resume an earlier run later
-        drop_checkpoints(record)
-    start = int(state["iteration"])
+    health = HealthMonitor()
 
-    # 4. Logs (appended to on resume), the trackers, and what the loop holds.
-    is_main = accelerator.is_main_process
+    def restore(folder: Path) -> int:
+        saved = load_checkpoint(folder, engine, prepared_actor, state)
+        health.seen.update(saved.get("health_seen") or [])
+        console.print(f"resuming from {folder.name} (iteration {saved['iteration']})")
+        return int(saved["iteration"])
+
+    logs = ("metrics.jsonl", "samples.jsonl")
+    start, (metrics, samples) = start_or_resume(record, checkpoint, console, restore, logs)
+    accelerator.wait_for_everyone()  # every process reads the log as it was cut back
+
+    # 4. The trackers, and what the loop holds.
     accelerator.init_trackers(recipe.run.project, tracker_config(recipe.model_dump(mode="json")))
-    logs = RunLogs(
-        writer=MetricsWriter(stage_dir / "metrics.jsonl", is_main, resume=start > 0),
-        samples=MetricsWriter(stage_dir / "samples.jsonl", is_main, resume=start > 0),
-        console=console,
-        warn=record.warn,
-        log_every=cfg.log_every,
-        health=HealthMonitor(state.get("health_seen")),
-        history=read_metrics(stage_dir / "metrics.jsonl", through=start),
-    )
     ppo = PPORun(
         recipe=recipe,
         accelerator=accelerator,
         models=Models(engine, prepared_actor, reference, scorer, generator, tokenizer),
-        state=TrainState(optimizer, scheduler, kl_ctl, sampler, score_moments(cfg, state)),
+        state=state,
         hooks=Hooks(
             audit=_live_audit(recipe, tokenizer, reference, scorer, generator),
             evaluate=_live_eval(recipe, heldout, reference, scorer, generator),
         ),
-        logs=logs,
+        logs=RunLogs(
+            writer=metrics,
+            samples=samples,
+            console=console,
+            warn=record.warn,
+            log_every=cfg.log_every,
+            health=health,
+            history=read_metrics(stage_dir / "metrics.jsonl", through=start),
+        ),
         prompts=prompts,
         queries=queries,
         stage_dir=stage_dir,
@@ -280,9 +281,9 @@ def adamw(cfg: PpoSection) -> Callable[[torch.nn.Module], torch.optim.Optimizer]
     return make
 
 
-def controllers(recipe: Recipe, optimizer: Any) -> tuple[Any, Any, torch.Generator]:
-    """A constant schedule on `optimizer`, the KL controller (adaptive or fixed β) and the
-    seeded prompt sampler."""
+def fresh_state(recipe: Recipe, optimizer: Any) -> TrainState:
+    """The training state at iteration 0: `optimizer` on a constant schedule, the KL controller
+    (adaptive or fixed β), the seeded prompt sampler, and `ppo.score_norm`'s running moments."""
     from transformers import get_constant_schedule
 
     cfg = recipe.ppo
@@ -291,8 +292,13 @@ def controllers(recipe: Recipe, optimizer: Any) -> tuple[Any, Any, torch.Generat
         if cfg.adaptive_kl
         else core.FixedKLController(cfg.init_kl_coef)
     )
-    sampler = torch.Generator().manual_seed(recipe.run.seed)
-    return get_constant_schedule(optimizer), kl_ctl, sampler
+    return TrainState(
+        optimizer,
+        get_constant_schedule(optimizer),
+        kl_ctl,
+        sampler=torch.Generator().manual_seed(recipe.run.seed),
+        score_moments=core.RunningMoments() if cfg.score_norm else None,
+    )
 
 
 def startup_warnings(recipe: Recipe, run: RunDir, prompts: list[str]) -> list[str]:
@@ -377,46 +383,6 @@ def _live_eval(
         return metrics
 
     return evaluate
-
-
-def _resume(
-    record: StageRecord,
-    checkpoint: tuple[Path, list[str]],
-    parts: tuple[Engine, Any, Any, Any, Any, torch.Generator],
-    console: Console,
-) -> dict[str, Any]:
-    """Restore `checkpoint` (from `resume.resume_point`) in place into `parts` (engine,
-    prepared actor, optimizer, scheduler, KL controller, prompt sampler); return its
-    `state.json` (iteration, health rules fired, score moments)."""
-    folder, notes = checkpoint
-    resume_notes(record, notes, console)
-    stage_dir = folder.parent.parent
-    engine, actor, optimizer, scheduler, kl_ctl, sampler = parts
-    state = load_checkpoint(
-        folder,
-        engine=engine,
-        actor=actor,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        kl_ctl=kl_ctl,
-        sampler=sampler,
-    )
-    console.print(f"resuming from {folder.name} (iteration {state['iteration']})")
-    if engine.acc.is_main_process:
-        truncate_metrics(stage_dir / "metrics.jsonl", state["iteration"])
-        truncate_metrics(stage_dir / "samples.jsonl", state["iteration"])
-    engine.acc.wait_for_everyone()
-    return state
-
-
-def score_moments(cfg: PpoSection, state: dict[str, Any]) -> core.RunningMoments | None:
-    """`ppo.score_norm`'s running moments, as a checkpoint left them (or fresh)."""
-    if not cfg.score_norm:
-        return None
-    moments = core.RunningMoments()
-    if state.get("score_moments"):
-        moments.load_state_dict(state["score_moments"])
-    return moments
 
 
 def check_fit(recipe: Recipe, policy: Any, reward_model: Any, reward_tokenizer: Any) -> None:

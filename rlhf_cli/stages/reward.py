@@ -38,11 +38,11 @@ from rlhf_cli.rundir import Manifest, RunDir, atomic_write_json
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import (
     StageCallback,
-    begin_writing,
     drop_checkpoints,
     drop_printer,
     run_train_loss,
     seed_everything,
+    start_or_resume_trainer,
     train_resumable,
     trainer_kwargs,
 )
@@ -228,7 +228,7 @@ def train(
         callbacks=[stage],
     )
     drop_printer(trainer)
-    stage.writer = begin_writing(record, checkpoint, console)
+    stage.writer = start_or_resume_trainer(record, checkpoint, console)
     try:
         folder = checkpoint[0] if checkpoint else None
         result = train_resumable(trainer, stage, folder, console, "rlhf train-rm")

@@ -24,11 +24,11 @@ from rlhf_cli.resume import trainer_resume_point
 from rlhf_cli.rundir import Manifest, RunDir
 from rlhf_cli.stages.common import (
     StageCallback,
-    begin_writing,
     drop_checkpoints,
     drop_printer,
     run_train_loss,
     seed_everything,
+    start_or_resume_trainer,
     train_resumable,
     trainer_kwargs,
 )
@@ -61,7 +61,7 @@ def run_sft(recipe: Recipe, console: Console, resume: bool = False) -> Manifest:
         # 2. Train, with the held-out loss measured before (on the fresh weights, also when
         # resuming: logged once, by the first attempt) and after.
         start_loss = trainer.evaluate()["eval_loss"]
-        stage.writer = begin_writing(record, checkpoint, console)
+        stage.writer = start_or_resume_trainer(record, checkpoint, console)
         if checkpoint is None:
             stage.writer.log({"eval_loss": start_loss}, step=0)
         try:

@@ -50,7 +50,7 @@ def one_process() -> Engine:
 
 class Parts:
     """Everything `save_checkpoint` / `load_checkpoint` take, built from one seed: an actor whose
-    policy is `Tiny` and whose value head is a (1, 2) linear layer."""
+    policy is `Tiny` and whose value head is a (1, 2) linear layer, and its `TrainState`."""
 
     def __init__(self, seed: int, kl_ctl=None, lr: float = 0.1):
         self.policy = Tiny(seed)
@@ -68,29 +68,17 @@ class Parts:
             self.optimizer.step()
             self.scheduler.step()
 
+    def state(self) -> ckpt.TrainState:
+        """The parts as they are now (a test may swap one), with no score moments."""
+        return ckpt.TrainState(self.optimizer, self.scheduler, self.kl_ctl, self.sampler, None)
+
     def save(self, root, iteration, extra=None):
         return ckpt.save_checkpoint(
-            root,
-            iteration,
-            engine=one_process(),
-            actor=self.actor,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            kl_ctl=self.kl_ctl,
-            sampler=self.sampler,
-            extra=extra or {},
+            root, iteration, one_process(), self.actor, self.state(), extra or {}
         )
 
     def load(self, folder):
-        return ckpt.load_checkpoint(
-            folder,
-            engine=one_process(),
-            actor=self.actor,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            kl_ctl=self.kl_ctl,
-            sampler=self.sampler,
-        )
+        return ckpt.load_checkpoint(folder, one_process(), self.actor, self.state())
 
 
 def draws(sampler: torch.Generator) -> tuple:

@@ -90,9 +90,9 @@ def _greeting_rollout(actor, policy, tokenizer, cfg, rows: int, reference=None):
     the reference is `reference` (a frozen copy), else the policy itself."""
     from rlhf_cli.generation import HFGenerator
     from rlhf_cli.modeling import Reference
-    from rlhf_cli.ppo.rollout import collect_rollout
+    from rlhf_cli.ppo.rollout import rollout_batch
 
-    return collect_rollout(
+    return rollout_batch(
         actor,
         Reference(policy, frozen_copy=policy if reference is None else reference),
         _ConstantScorer(),
@@ -107,7 +107,7 @@ def _greeting_rollout(actor, policy, tokenizer, cfg, rows: int, reference=None):
 def test_missing_eos_penalty_hits_only_responses_that_never_end(stop_on_anything, llama_config):
     from rlhf_cli.generation import HFGenerator
     from rlhf_cli.modeling import Reference, load_tokenizer
-    from rlhf_cli.ppo.rollout import collect_rollout
+    from rlhf_cli.ppo.rollout import rollout_batch
     from rlhf_cli.recipe import GenerationSection, PpoSection
 
     tokenizer = load_tokenizer("builtin:tiny-lm")
@@ -129,7 +129,7 @@ def test_missing_eos_penalty_hits_only_responses_that_never_end(stop_on_anything
         missing_eos_penalty=0.5,
         generation=GenerationSection(max_new_tokens=3, temperature=1.0, top_p=1.0),
     )
-    rollout = collect_rollout(
+    rollout = rollout_batch(
         actor,
         Reference(policy, frozen_copy=policy),
         _ConstantScorer(),

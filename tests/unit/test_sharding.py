@@ -118,7 +118,7 @@ def test_a_checkpoint_resumes_only_under_the_layout_that_wrote_it(tmp_path):
     import torch
     from accelerate import Accelerator
 
-    from rlhf_cli.ppo.checkpoint import load_checkpoint
+    from rlhf_cli.ppo.checkpoint import TrainState, load_checkpoint
     from rlhf_cli.ppo.core import FixedKLController
 
     folder = tmp_path / "iter_00002"
@@ -131,10 +131,7 @@ def test_a_checkpoint_resumes_only_under_the_layout_that_wrote_it(tmp_path):
             folder,
             engine=sharding.Engine(Accelerator(cpu=True)),
             actor=None,
-            optimizer=None,
-            scheduler=None,
-            kl_ctl=kl_ctl,
-            sampler=torch.Generator(),
+            state=TrainState(None, None, kl_ctl, torch.Generator(), None),
         )
     assert kl_ctl.value == 0.3  # nothing restored
 
