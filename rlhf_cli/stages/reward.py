@@ -36,12 +36,11 @@ from rlhf_cli.record import StageRecord
 from rlhf_cli.resume import trainer_resume_point
 from rlhf_cli.rundir import Manifest, RunDir, atomic_write_json
 from rlhf_cli.scoring import RewardScorer
-from rlhf_cli.stages.common import (
+from rlhf_cli.stages.common import drop_checkpoints, seed_everything
+from rlhf_cli.stages.trainers import (
     StageCallback,
-    drop_checkpoints,
     drop_printer,
     run_train_loss,
-    seed_everything,
     start_or_resume_trainer,
     train_resumable,
     trainer_kwargs,

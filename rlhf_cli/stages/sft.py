@@ -22,12 +22,11 @@ from rlhf_cli.recipe import Recipe
 from rlhf_cli.record import StageRecord
 from rlhf_cli.resume import trainer_resume_point
 from rlhf_cli.rundir import Manifest, RunDir
-from rlhf_cli.stages.common import (
+from rlhf_cli.stages.common import drop_checkpoints, seed_everything
+from rlhf_cli.stages.trainers import (
     StageCallback,
-    drop_checkpoints,
     drop_printer,
     run_train_loss,
-    seed_everything,
     start_or_resume_trainer,
     train_resumable,
     trainer_kwargs,

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from rlhf_cli.errors import StageError
 from rlhf_cli.recipe import load_recipe
 from rlhf_cli.rundir import RunDir
-from rlhf_cli.stages import common
-from rlhf_cli.stages.common import RECIPE_CHANGED
+from rlhf_cli.stages import trainers
+from rlhf_cli.stages.trainers import RECIPE_CHANGED
 from rlhf_cli.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -48,14 +48,14 @@ def _runner(stage: str) -> Callable[..., dict[str, Any]]:
 
 def _signal_at(monkeypatch: pytest.MonkeyPatch, step: int, signum: int) -> None:
     """The process gets `signum` as step `step` ends, as from a terminal or a scheduler."""
-    real = common.StageCallback.on_step_end
+    real = trainers.StageCallback.on_step_end
 
     def on_step_end(self: Any, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if state.global_step == step:
             os.kill(os.getpid(), signum)
         real(self, args, state, control, **kw)
 
-    monkeypatch.setattr(common.StageCallback, "on_step_end", on_step_end)
+    monkeypatch.setattr(trainers.StageCallback, "on_step_end", on_step_end)
 
 
 def _without(row: dict[str, float], key: str) -> dict[str, float]:

@@ -110,3 +110,16 @@ def test_status_imports_no_torch(run_with_stages, tmp_path, extra):
     assert seen["exit_code"] == 0, seen["output"]
     assert run_with_stages.path.name in seen["output"]
     assert_no_torch(seen)
+
+
+@pytest.mark.parametrize("stage", ["ppo", "audit", "compare", "merge"])
+def test_a_stage_without_a_trainer_imports_no_peft_or_bitsandbytes(tmp_path, stage):
+    """transformers' Trainer loads peft, which loads bitsandbytes (and with it torch.compile's
+    stack, about 2 s and 200 MB here): only sft and train-rm, which use a Trainer, pay that at
+    import; the others load peft when a model needs it."""
+    code = f"import sys, rlhf_cli.stages.{stage}; print(sorted(sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    loaded = set(json.loads(done.stdout.splitlines()[-1].replace("'", '"')))
+    assert not {"peft", "bitsandbytes"} & loaded

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rlhf_cli"
-STAGE_HELPERS = {"rlhf_cli.stages.common", "rlhf_cli.stages.trained"}
+STAGE_HELPERS = {"rlhf_cli.stages.common", "rlhf_cli.stages.trainers", "rlhf_cli.stages.trained"}
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 500
 LONG_REASON = "Long because"

@@ -270,7 +270,7 @@ def test_the_stage_callback_stops_after_the_step_of_a_signal(tmp_path):
     checkpoint is not written (the stage saves its result)."""
     from rich.console import Console
 
-    from rlhf_cli.stages.common import StageCallback
+    from rlhf_cli.stages.trainers import StageCallback
 
     callback = StageCallback(Console(quiet=True), "sft")
     callback.writer = MetricsWriter(tmp_path / "metrics.jsonl")
@@ -313,7 +313,7 @@ def test_the_run_train_loss_adds_the_logged_windows_before_a_resume(
     """Hand-computed: the Trainer's `training_loss` after a resume covers its own steps only."""
     from types import SimpleNamespace
 
-    from rlhf_cli.stages.common import run_train_loss
+    from rlhf_cli.stages.trainers import run_train_loss
 
     writer = MetricsWriter(tmp_path / "metrics.jsonl")
     for step, loss in rows:
