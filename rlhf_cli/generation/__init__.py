@@ -41,7 +41,7 @@ __all__ = [
     "Generator",
     "HFGenerator",
     "LOGPROB_CHUNK_ROWS",
-    "check_backend",
+    "require_engine",
     "decode",
     "forward_logits",
     "generator_for",
@@ -60,12 +60,14 @@ __all__ = [
 ]
 
 
-def check_backend(gen: GenerationSection, four_bit: bool) -> None:
-    """What `gen.backend` needs, checked before any model loads (one line, exit 2)."""
+def require_engine(gen: GenerationSection) -> None:
+    """What `gen.backend` needs installed, checked before any model loads (one line, exit 2);
+    building the engine checks it again, so a caller that skips this only fails later. A
+    4-bit policy with vLLM is refused by the recipe itself."""
     if gen.backend == "vllm":
         from rlhf_cli.generation.vllm import check_vllm
 
-        check_vllm(four_bit)
+        check_vllm()
 
 
 def generator_for(

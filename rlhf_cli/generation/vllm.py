@@ -57,8 +57,8 @@ def installed_vllm() -> str | None:
     return None
 
 
-def check_vllm(four_bit: bool) -> None:
-    """What the vLLM backend needs, checked before any model loads (one line, exit 2)."""
+def check_vllm() -> None:
+    """vLLM installed, at the tested version or later (one line, exit 2)."""
     if importlib.util.find_spec("vllm") is None:
         raise ModelLoadError(
             f"ppo.generation.backend: vllm needs vLLM, which is not installed: {INSTALL}"
@@ -68,11 +68,6 @@ def check_vllm(four_bit: bool) -> None:
         raise ModelLoadError(
             f"ppo.generation.backend: vllm needs vLLM >= {VLLM_FLOOR} (weights reloaded in "
             f"place after every update); {version} is installed: {INSTALL}"
-        )
-    if four_bit:
-        raise ModelLoadError(
-            "ppo.generation.backend: vllm loads the policy's merged full-precision weights "
-            "after every update: set model.quantization.load_in_4bit: false (or use backend: hf)"
         )
 
 
@@ -208,6 +203,7 @@ def vllm_generator(
     with the tokenizer into a folder under `scratch` for every process's vLLM to load, and
     removes once they have; on CUDA it computes in `dtype` (the recipe's `model.dtype`,
     resolved)."""
+    check_vllm()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM

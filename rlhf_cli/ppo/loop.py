@@ -89,7 +89,7 @@ def run_iteration(
     stats = ppo_update(run, rollout, shaped.advantages, shaped.returns, kl_coef)
     update_s = time.perf_counter() - t_update
     # 4. β moves once per iteration, toward the target KL.
-    critic = estimator(cfg.advantage_estimator).needs_critic
+    critic = cfg.needs_critic
     returns = shaped.returns if critic else None
     metrics = iteration_metrics(acc, rollout, shaped.kl, shaped.rewards, returns, kl_coef, stats)
     if math.isfinite(metrics.get("objective/kl", math.nan)):  # no KL measured at β = 0
@@ -202,7 +202,7 @@ def minibatch_loss(
         "ppo/policy/entropy": core.masked_mean(entropy, mask),
         "ppo/policy/approxkl": core.approx_kl(logprobs, old, mask),
     }
-    if estimator(cfg.advantage_estimator).needs_critic:
+    if cfg.needs_critic:
         vf_loss, parts["ppo/val/clipfrac"] = core.ppo_value_loss(
             values, rollout.values[idx], returns[idx], mask, cfg.cliprange_value, **how
         )

@@ -26,7 +26,6 @@ from rlhf_cli.modeling import (
     resolve_model_path,
     set_dropout,
 )
-from rlhf_cli.ppo.estimators import estimator
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.scoring import RewardScorer
 
@@ -161,7 +160,7 @@ def build_actor(
     critic from the reward model (`value_init: reward_model`) needs the policy's `tokenizer`."""
     cfg = recipe.ppo
     policy, reference = build_policy(recipe, sources, device)
-    if not estimator(cfg.advantage_estimator).needs_critic:  # no value model at all
+    if not cfg.needs_critic:  # no value model at all
         actor = PolicyAndValue(policy)
     elif cfg.value_model == "shared":
         actor = PolicyAndValue(policy, value_head=zero_value_head(hidden_size_of(policy)))

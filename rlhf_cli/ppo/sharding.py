@@ -47,7 +47,7 @@ def requested_backend() -> str:
     return "ddp"
 
 
-def check_backend(backend: str, recipe: Recipe) -> None:
+def check_launch(backend: str, recipe: Recipe) -> None:
     """A launch this setup cannot run stops here, before any model loads, saying what to change."""
     four_bit = recipe.model.quantization.load_in_4bit
     if backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
@@ -88,7 +88,7 @@ def build_accelerator(
     from accelerate import Accelerator
 
     backend = requested_backend()
-    check_backend(backend, recipe)
+    check_launch(backend, recipe)
     cfg = recipe.ppo
     steps = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
     if steps not in (None, "", "auto", str(cfg.gradient_accumulation_steps)):

@@ -230,5 +230,6 @@ class PpoSection(Section):
 
     @property
     def needs_critic(self) -> bool:
-        """Whether `advantage_estimator` trains a value head or model (`rlhf plan` counts it)."""
+        """Whether `advantage_estimator` trains a value head or model (the loop, the model builder
+        and `rlhf plan` ask this one table row)."""
         return ESTIMATORS[self.advantage_estimator].needs_critic

@@ -125,6 +125,17 @@ class Recipe(Section):
     push: PushSection = described(PushSection(), "Publishing to the hub.")
 
     @model_validator(mode="after")
+    def _vllm_full_precision(self) -> Recipe:
+        four_bit = self.model.quantization.load_in_4bit
+        for name, gen in (("ppo", self.ppo.generation), ("audit", self.audit.generation)):
+            if four_bit and gen.backend == "vllm":
+                raise ValueError(
+                    f"{name}.generation.backend: vllm loads the policy's merged full-precision "
+                    "weights: set model.quantization.load_in_4bit: false (or backend: hf)"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _stage_data(self) -> Recipe:
         if self.sft.enabled and self.data.sft is None:
             raise ValueError("data: sft.enabled is true but data.sft is not set")

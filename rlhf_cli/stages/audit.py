@@ -13,7 +13,7 @@ from rich.console import Console
 from rlhf_cli.audit.detectors import audit_responses
 from rlhf_cli.audit.measure import audit_policy
 from rlhf_cli.data import audit_prompts, read_responses
-from rlhf_cli.generation import check_backend
+from rlhf_cli.generation import require_engine
 from rlhf_cli.modeling import pick_device
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.record import StageRecord
@@ -48,7 +48,7 @@ def run_audit(
     else:
         device = pick_device(recipe.run.device)
         seed_everything(recipe.run.seed)  # the same audit twice samples the same responses
-        check_backend(cfg.generation, recipe.model.quantization.load_in_4bit)
+        require_engine(cfg.generation)
         where = locate_policy(recipe, run, checkpoint, needed_by="rlhf audit")
         policy = load_policy(where, recipe.model, device)
         generator = generation_engine(

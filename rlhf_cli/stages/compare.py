@@ -6,7 +6,7 @@ from typing import Any
 
 from rlhf_cli.data import audit_prompts
 from rlhf_cli.errors import StageError
-from rlhf_cli.generation import check_backend, row_seed, tokenize_prompts
+from rlhf_cli.generation import require_engine, row_seed, tokenize_prompts
 from rlhf_cli.modeling import pick_device
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.rundir import RunDir
@@ -28,7 +28,7 @@ def run_compare(recipe: Recipe, prompts: list[str] | None = None) -> list[dict[s
     device = pick_device(recipe.run.device)
     seed_everything(recipe.run.seed)
     gen = recipe.audit.generation
-    check_backend(gen, recipe.model.quantization.load_in_4bit)
+    require_engine(gen)
     policy = load_policy(where, recipe.model, device)
     if policy.reference is None:
         raise StageError("compare needs the SFT model of the run as reference")

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from rlhf_cli.data import audit_prompts, load_prompts, prompt_text, split_heldout
 from rlhf_cli.datacheck import prompt_figures
 from rlhf_cli.errors import DataError
-from rlhf_cli.generation import Generator, check_backend, tokenize_prompts
+from rlhf_cli.generation import Generator, require_engine, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
     load_policy_tokenizer,
@@ -64,7 +64,7 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> Manifest:
     """Align the policy with PPO; write `runs/<name>/ppo/`; return its manifest."""
     run = RunDir.for_recipe(recipe)
     device = pick_device(recipe.run.device)
-    check_backend(recipe.ppo.generation, recipe.model.quantization.load_in_4bit)
+    require_engine(recipe.ppo.generation)
     if device.type == "cuda":
         warn_over_plan(recipe, console)
     trackers = Trackers.for_stage(recipe.run, "ppo", run.stage_dir("ppo"))

@@ -144,7 +144,7 @@ def test_one_generation_module_serves_every_caller():
 
 
 def test_only_generator_for_names_a_backend():
-    """Callers ask `generation.generator_for` (and `check_backend`): no module outside the
+    """Callers ask `generation.generator_for` (and `require_engine`): no module outside the
     generation package imports a backend or builds one."""
     backends = {"rlhf_cli.generation.hf", "rlhf_cli.generation.vllm"}
     sources = {name: path.read_text() for name, path in _modules().items()}

@@ -71,15 +71,15 @@ def test_launches_that_cannot_run_are_refused(tmp_path, launched_with, env, four
     if backend == "deepspeed":  # its refusal comes after the install check
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed here")
     with pytest.raises(StageError, match=message) as caught:
-        sharding.check_backend(backend, _recipe(tmp_path, four_bit=four_bit))
+        sharding.check_launch(backend, _recipe(tmp_path, four_bit=four_bit))
     assert "\n" not in str(caught.value)
 
 
 def test_four_bit_under_zero2_and_ddp_is_allowed(tmp_path, launched_with):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed here")
     launched_with(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="2")
-    sharding.check_backend("deepspeed", _recipe(tmp_path, four_bit=True))
-    sharding.check_backend("ddp", _recipe(tmp_path, four_bit=True))
+    sharding.check_launch("deepspeed", _recipe(tmp_path, four_bit=True))
+    sharding.check_launch("ddp", _recipe(tmp_path, four_bit=True))
 
 
 def test_deepspeed_not_installed_names_the_install_command(tmp_path, launched_with, monkeypatch):
@@ -91,7 +91,7 @@ def test_deepspeed_not_installed_names_the_install_command(tmp_path, launched_wi
         lambda name, *a: None if name == "deepspeed" else real(name, *a),
     )
     with pytest.raises(StageError, match="DeepSpeed, which is not installed: `pip install"):
-        sharding.check_backend("deepspeed", _recipe(tmp_path))
+        sharding.check_launch("deepspeed", _recipe(tmp_path))
 
 
 def test_accumulation_set_in_two_places_is_refused(tmp_path, launched_with):
@@ -136,29 +136,35 @@ def test_a_checkpoint_resumes_only_under_the_layout_that_wrote_it(tmp_path):
     assert kl_ctl.value == 0.3  # nothing restored
 
 
-@pytest.mark.parametrize(
-    "installed, four_bit, message",
-    [
-        (False, False, r"needs vLLM, which is not installed: pip install 'rlhf-cli\[vllm\]'"),
-        (True, True, "load_in_4bit: false"),
-    ],
-    ids=["not-installed", "4bit"],
-)
-def test_the_vllm_backend_is_refused_before_any_model_loads(
-    monkeypatch, installed, four_bit, message
-):
+def test_the_vllm_backend_is_refused_in_one_line_when_vllm_is_missing(monkeypatch):
     from rlhf_cli.errors import ModelLoadError
+    from rlhf_cli.generation import require_engine
     from rlhf_cli.generation import vllm as vllm_engine
+    from rlhf_cli.recipe import GenerationSection
 
     real = vllm_engine.importlib.util.find_spec
     monkeypatch.setattr(
         vllm_engine.importlib.util,
         "find_spec",
-        lambda name, *a: (object() if installed else None) if name == "vllm" else real(name, *a),
+        lambda name, *a: None if name == "vllm" else real(name, *a),
     )
-    with pytest.raises(ModelLoadError, match=message) as caught:
-        vllm_engine.check_vllm(four_bit)
+    require_engine(GenerationSection(backend="hf"))  # nothing to check
+    with pytest.raises(ModelLoadError, match=r"needs vLLM, which is not installed") as caught:
+        require_engine(GenerationSection(backend="vllm"))
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("section", ["ppo", "audit"])
+def test_a_4bit_policy_with_the_vllm_backend_is_refused_by_the_recipe(make_recipe, section):
+    from rlhf_cli.errors import RecipeError
+    from rlhf_cli.recipe import load_recipe
+
+    updates = {
+        "model": {"quantization": {"load_in_4bit": True}},
+        section: {"generation": {"backend": "vllm"}},
+    }
+    with pytest.raises(RecipeError, match=f"{section}.generation.backend: vllm .*load_in_4bit: false"):
+        load_recipe(make_recipe(updates))
 
 
 def test_the_vllm_engine_settings_follow_the_recipe_on_cuda_only():

@@ -107,10 +107,10 @@ def test_a_vllm_older_than_the_tested_floor_is_refused_in_one_line(monkeypatch, 
     monkeypatch.setattr(backend.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(backend, "installed_vllm", lambda: version)
     if not refused:
-        backend.check_vllm(four_bit=False)
+        backend.check_vllm()
         return
     with pytest.raises(ModelLoadError, match=rf"needs vLLM >= 0.32 .*; {version} is installed"):
-        backend.check_vllm(four_bit=False)
+        backend.check_vllm()
 
 
 def test_merged_weights_stream_one_layer_at_a_time_and_equal_peft_merge():
