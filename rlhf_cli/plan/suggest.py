@@ -27,14 +27,16 @@ class Suggestion:
 
 
 def candidate_sets(recipe: Recipe) -> list[list[str]]:
-    """One change each, in the order they cost the least: checkpointing, 4-bit, halved
+    """One change each, in the order they cost the least: checkpointing, 4-bit (not with a vLLM
+    engine, which loads full-precision weights), halved
     mini-batches (accumulating more steps, so the optimiser step sees as many rollouts),
     halved responses, vLLM's share and sleep, halved SFT / reward batches."""
     model, ppo, gen = recipe.model, recipe.ppo, recipe.ppo.generation
     out: list[list[str]] = []
     if not model.gradient_checkpointing:
         out.append(["model.gradient_checkpointing=true"])
-    if not model.quantization.load_in_4bit:
+    engines = {gen.backend, recipe.audit.generation.backend}
+    if not model.quantization.load_in_4bit and "vllm" not in engines:  # vLLM loads full weights
         out.append(["model.quantization.load_in_4bit=true", "model.lora.enabled=true"])
     mb, acc = ppo.mini_batch_size, ppo.gradient_accumulation_steps
     while mb % 2 == 0:
