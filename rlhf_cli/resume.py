@@ -25,7 +25,7 @@ CHECKPOINT_PREFIXES = (PPO_CHECKPOINT, TRAINER_CHECKPOINT)
 PPO_INDEX = "checkpoint.json"  # a PPO checkpoint's file list and checksums, written last
 
 
-def numbered(root: Path, prefix: str) -> list[Path]:
+def checkpoint_folders(root: Path, prefix: str) -> list[Path]:
     """The checkpoint folders `<root>/<prefix><N>`, oldest (smallest N) first; [] without
     `root`."""
     found = [f for f in root.glob(f"{prefix}*") if f.is_dir() and f.name[len(prefix) :].isdigit()]
@@ -38,7 +38,7 @@ def newest_whole(
     """The newest checkpoint folder `<root>/<prefix><N>` (by N) that `problem` finds whole
     (None), and a note for each newer one skipped."""
     notes = []
-    for folder in reversed(numbered(root, prefix)):
+    for folder in reversed(checkpoint_folders(root, prefix)):
         why = problem(folder)
         if why is None:
             return folder, notes
@@ -64,7 +64,9 @@ def resumable(run: RunDir, stage: str) -> bool:
     """`stage` of `run` has checkpoints its command's `--resume` can start from: folders named
     as `newest_whole` looks for them (a prefix of `CHECKPOINT_PREFIXES`, then the number)."""
     checkpoints = run.stage_dir(stage) / "checkpoints"
-    return stage in RESUMABLE and any(numbered(checkpoints, p) for p in CHECKPOINT_PREFIXES)
+    return stage in RESUMABLE and any(
+        checkpoint_folders(checkpoints, p) for p in CHECKPOINT_PREFIXES
+    )
 
 
 def ppo_checkpoint_problem(folder: Path) -> str | None:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from rlhf_cli.errors import ProcessLostError
 from rlhf_cli.ppo import core
-from rlhf_cli.resume import PPO_CHECKPOINT, numbered
+from rlhf_cli.resume import PPO_CHECKPOINT, checkpoint_folders
 
 GlobalRows = Callable[[Callable[[Tensor], Tensor], Tensor], Tensor]
 
@@ -159,7 +159,7 @@ def lost_process_as_error(acc: Any, checkpoints: Path) -> Iterator[None]:
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         reason = first.split("] ", 1)[-1].split(". ")[0]  # gloo's "[file:line] What. Hint."
-        saved = numbered(checkpoints, PPO_CHECKPOINT)
+        saved = checkpoint_folders(checkpoints, PPO_CHECKPOINT)
         then = (
             f"its newest checkpoint is {saved[-1].name}: once every machine is back, start the "
             "same launch on each with `rlhf ppo --resume`"

@@ -18,7 +18,7 @@ from rlhf_cli.ppo.logs import RunLogs
 from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.ppo.sharding import Engine
 from rlhf_cli.recipe import Recipe
-from rlhf_cli.resume import PPO_CHECKPOINT, numbered
+from rlhf_cli.resume import PPO_CHECKPOINT, checkpoint_folders
 from rlhf_cli.rundir import InputRecord
 from rlhf_cli.scoring import RewardScorer
 
@@ -71,7 +71,7 @@ def checkpoint(run: PPORun, iteration: int) -> Path:
     try:
         return save_checkpoint(root, iteration, models.engine, models.actor, run.state, extra)
     except OSError as exc:
-        previous = numbered(root, PPO_CHECKPOINT)
+        previous = checkpoint_folders(root, PPO_CHECKPOINT)
         raise CheckpointWriteError(
             f"writing checkpoint iter_{iteration:05d} failed ({exc.strerror or exc}); "
             f"the previous checkpoint ({previous[-1].name if previous else 'none'}) is intact and "

@@ -21,7 +21,6 @@ from safetensors.torch import save_file
 
 from rlhf_cli.data import audit_prompts, load_prompts, prompt_text, split_heldout
 from rlhf_cli.datacheck import prompt_figures
-from rlhf_cli.errors import DataError
 from rlhf_cli.generation import Generator, require_engine, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
@@ -155,12 +154,11 @@ def setup(
     with engine.loading():
         scorer = frozen_scorer(recipe.reward, sources.reward, sources.reward_tokenizer, device)
         actor, reference = build_actor(recipe, sources, device, scorer, tokenizer)
-    check_fit(recipe, actor.policy, scorer.model, scorer.tokenizer)
     generator = generation_engine(cfg.generation, actor.policy, tokenizer, recipe, stage_dir)
 
     # 3. The engine wraps (or shards) the actor and builds its optimizer; the rest of the
     # training state; then the fresh start or the resume, with the logs.
-    prepared_actor, optimizer = engine.prepare(actor, adamw(cfg))
+    prepared_actor, optimizer = engine.prepare(actor, optimizer_factory(cfg))
     state = fresh_state(recipe, optimizer)
     # models are built alike everywhere (FSDP2 shards each process's copy); now per process
     seed_everything(recipe.run.seed + accelerator.process_index)
@@ -268,7 +266,7 @@ def save(
     record.manifest["metrics"] = {**summary, "kl_coef_now": ppo.state.kl_ctl.value}
 
 
-def adamw(cfg: PpoSection) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
+def optimizer_factory(cfg: PpoSection) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
     """AdamW over a module's trainable weights, eps and weight decay from the recipe (the engine
     calls it once the weights are wrapped or sharded)."""
 
@@ -383,33 +381,6 @@ def _live_eval(
         return metrics
 
     return evaluate
-
-
-def check_fit(recipe: Recipe, policy: Any, reward_model: Any, reward_tokenizer: Any) -> None:
-    """Mismatches that would fail (or silently mis-score) mid-run, caught before training."""
-    context = getattr(policy.config, "max_position_embeddings", None)
-    need = recipe.data.prompts.max_tokens + recipe.ppo.generation.max_new_tokens
-    if context and need > context:
-        raise DataError(
-            f"data.prompts.max_tokens ({recipe.data.prompts.max_tokens}) + "
-            f"ppo.generation.max_new_tokens ({recipe.ppo.generation.max_new_tokens})"
-            f" = {need} exceeds the policy's context of {context} tokens"
-        )
-    if reward_model is None:  # rule-based rewards only
-        return
-    rm_context = getattr(reward_model.config, "max_position_embeddings", None)
-    if rm_context and recipe.reward.max_length > rm_context:
-        raise DataError(
-            f"reward.max_length ({recipe.reward.max_length}) exceeds the reward "
-            f"model's context of {rm_context} tokens"
-        )
-    vocab = reward_model.get_input_embeddings().num_embeddings
-    if len(reward_tokenizer) > vocab:
-        raise DataError(
-            f"the reward tokenizer has {len(reward_tokenizer)} tokens but the reward "
-            f"model only {vocab} embeddings: reward.tokenizer does not match "
-            "reward model"
-        )
 
 
 def prompt_overlap(run: RunDir, prompts: list[str]) -> int:

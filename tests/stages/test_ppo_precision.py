@@ -15,7 +15,7 @@ import yaml
 
 from rlhf_cli.ppo.models import PpoSources, build_actor
 from rlhf_cli.recipe import Recipe, parse_recipe
-from rlhf_cli.stages.ppo import adamw
+from rlhf_cli.stages.ppo import optimizer_factory
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -78,7 +78,7 @@ def test_ten_adamw_steps_at_the_guide_lr_move_every_trained_weight(
     actor = actor_for(recipe, bf16_lm)
     params = trained(actor)
     assert {p.dtype for p in params.values()} == {torch.float32}
-    optimizer = adamw(recipe.ppo)(actor)
+    optimizer = optimizer_factory(recipe.ppo)(actor)
     before = {n: p.detach().clone() for n, p in params.items()}
     for _ in range(10):
         sum(p.float().sum() for p in params.values()).backward()
@@ -112,7 +112,7 @@ def test_a_lora_critic_trains_only_its_adapter_and_fp32_head(
 def test_the_recipes_weight_decay_reaches_adamw(bf16_lm: Path, tmp_path: Path) -> None:
     for decay in (0.0, 0.05):
         recipe = recipe_for(bf16_lm, tmp_path, weight_decay=decay)
-        optimizer = adamw(recipe.ppo)(actor_for(recipe, bf16_lm))
+        optimizer = optimizer_factory(recipe.ppo)(actor_for(recipe, bf16_lm))
         assert [g["weight_decay"] for g in optimizer.param_groups] == [decay]
 
 

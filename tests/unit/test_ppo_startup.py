@@ -34,18 +34,23 @@ def _fake_model(context: int, vocab: int = 100):
 
 
 def test_mismatches_are_caught_before_training(tmp_path):
-    from rlhf_cli.errors import DataError
-    from rlhf_cli.stages.ppo import check_fit
+    """The checks `generation_engine` and the reward scorer run before any text reaches a
+    model, at their boundaries: a sum that fits exactly passes, one token more is refused."""
+    from rlhf_cli.errors import ModelLoadError
+    from rlhf_cli.model_checks import check_context, check_vocab
 
     recipe = _recipe(tmp_path)  # prompts 64 tokens + 32 new, reward max_length 128
-    tokenizer = list(range(100))
-    check_fit(recipe, _fake_model(96), _fake_model(128), tokenizer)  # fits exactly
-    with pytest.raises(DataError, match=r"= 96 exceeds the policy's context of 95"):
-        check_fit(recipe, _fake_model(95), _fake_model(128), tokenizer)
-    with pytest.raises(DataError, match=r"reward.max_length \(128\) exceeds .* 127"):
-        check_fit(recipe, _fake_model(96), _fake_model(127), tokenizer)
-    with pytest.raises(DataError, match="101 tokens but the reward model only 100"):
-        check_fit(recipe, _fake_model(96), _fake_model(128), list(range(101)))
+    lengths = {"data.prompts.max_tokens": 64, "ppo.generation.max_new_tokens": 32}
+    check_context(_fake_model(96), lengths, "the policy")  # fits exactly
+    with pytest.raises(ModelLoadError, match=r"= 96\) exceeds the policy's context of 95"):
+        check_context(_fake_model(95), lengths, "the policy")
+    rm = {"reward.max_length": recipe.reward.max_length}
+    check_context(_fake_model(128), rm, "the reward model")
+    with pytest.raises(ModelLoadError, match=r"reward.max_length \(128\) exceeds .* 127"):
+        check_context(_fake_model(127), rm, "the reward model")
+    check_vocab(_fake_model(128), list(range(100)), "reward.tokenizer", "the reward model")
+    with pytest.raises(ModelLoadError, match="101 tokens but the reward model only 100"):
+        check_vocab(_fake_model(128), list(range(101)), "reward.tokenizer", "the reward model")
 
 
 def test_prompt_overlap_with_reward_training_is_counted(tmp_path):

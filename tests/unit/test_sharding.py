@@ -163,7 +163,9 @@ def test_a_4bit_policy_with_the_vllm_backend_is_refused_by_the_recipe(make_recip
         "model": {"quantization": {"load_in_4bit": True}},
         section: {"generation": {"backend": "vllm"}},
     }
-    with pytest.raises(RecipeError, match=f"{section}.generation.backend: vllm .*load_in_4bit: false"):
+    with pytest.raises(
+        RecipeError, match=f"{section}.generation.backend: vllm .*load_in_4bit: false"
+    ):
         load_recipe(make_recipe(updates))
 
 
