@@ -270,10 +270,16 @@ def test_a_stage_that_crashes_with_no_earlier_result_says_failed(
     assert run.manifest_path("sft").read_bytes() == sft_before
 
 
-def test_a_bug_with_no_run_folder_logs_to_the_temp_folder(make_recipe, chdir_tmp, monkeypatch):
-    temp = chdir_tmp / "temp"
-    temp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+@pytest.fixture
+def temp(chdir_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The system temp folder, for this test: where a log goes when there is no run folder."""
+    folder = chdir_tmp / "temp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def test_a_bug_with_no_run_folder_logs_to_the_temp_folder(make_recipe, temp, monkeypatch):
     monkeypatch.setattr("rlhf_cli.cli.require_trackers", _raise)
     path = make_recipe()
     result = invoke("validate", "--recipe", str(path))
@@ -284,10 +290,7 @@ def test_a_bug_with_no_run_folder_logs_to_the_temp_folder(make_recipe, chdir_tmp
     assert not RunDir.for_recipe(load_recipe(path)).path.exists()  # no run made for a log
 
 
-def test_a_first_stage_that_crashes_leaves_no_run_behind(make_recipe, chdir_tmp, monkeypatch):
-    temp = chdir_tmp / "temp"
-    temp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+def test_a_first_stage_that_crashes_leaves_no_run_behind(make_recipe, temp, monkeypatch):
     monkeypatch.setattr("rlhf_cli.stages.sft.setup", _raise)
     path = make_recipe()
     result = invoke("sft", "--recipe", str(path))
