@@ -19,9 +19,10 @@ turn, system message included, and the answer is that turn. SFT trains on the an
 prompt, the reward model scores the answer after the prompt's text (`prompt_text`), and PPO
 generates from the prompt through the policy's chat template: the three see the same prompt.
 
-The package: `rows` (rows, what each stage makes of them, conversations), `layouts` (detection
-and each stage's conversion), `sources` (reading files and hub datasets), and here each stage's
-loader, the splits, and the audit's prompts and responses.
+The package: `rows` (rows, what each stage makes of them, conversations), `layouts`
+(detection and each stage's conversion), `sources` (reading files and hub datasets), `figures`
+(what a stage's data looks like in tokens: `rlhf validate --data` and the manifests), and here
+each stage's loader, the splits, and the audit's prompts and responses.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlhf_cli.data import load_preferences, load_prompts, load_sft, prompt_text
-from rlhf_cli.datacheck import (
+from rlhf_cli.data.figures import (
     preference_figures,
     prompt_figures,
     reward_tokens,

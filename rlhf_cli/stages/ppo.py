@@ -20,7 +20,7 @@ from rich.markup import escape
 from safetensors.torch import save_file
 
 from rlhf_cli.data import audit_prompts, load_prompts, prompt_text, split_heldout
-from rlhf_cli.datacheck import prompt_figures
+from rlhf_cli.data.figures import prompt_figures
 from rlhf_cli.generation import Generator, require_engine, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,

@@ -19,7 +19,7 @@ from trl.trainer.reward_trainer import DataCollatorForPreference
 from trl.trainer.utils import pad
 
 from rlhf_cli.data import load_preferences, prompt_text, split_eval
-from rlhf_cli.datacheck import preference_figures
+from rlhf_cli.data.figures import preference_figures
 from rlhf_cli.errors import StageError
 from rlhf_cli.model_checks import check_lora_targets
 from rlhf_cli.modeling import (

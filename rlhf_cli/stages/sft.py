@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 
 from rlhf_cli.data import Example, load_sft, prompt_text, split_eval
-from rlhf_cli.datacheck import sft_figures
+from rlhf_cli.data.figures import sft_figures
 from rlhf_cli.errors import StageError
 from rlhf_cli.model_checks import check_context, check_vocab
 from rlhf_cli.modeling import (

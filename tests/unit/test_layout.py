@@ -87,7 +87,7 @@ def test_shared_helpers_import_no_layer_above():
         "rlhf_cli.generation.vllm",
         "rlhf_cli.modeling",
         "rlhf_cli.model_checks",
-        "rlhf_cli.datacheck",
+        "rlhf_cli.data.figures",
         "rlhf_cli.scoring",
         "rlhf_cli.data",
         "rlhf_cli.rundir",
