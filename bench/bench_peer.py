@@ -27,7 +27,7 @@ metrics.jsonl over iterations 2..N. TRL: the wall time of each optimizer step (a
 on_step_begin → on_step_end, which encloses generation, scoring and the log-prob passes); the
 steps of one generation cycle are summed into an iteration and the median is over iterations
 2..N (the per-step median, skipping step 1, is reported too). Tokens per second, for both, =
-completion tokens (the EOS included) / generation time (ours: time/rollout_s around `generate`;
+completion tokens (the EOS included) / generation time (ours: time/generate_s around `generate`;
 TRL: the time around its `_generate_single_turn`). The ratio is ours / theirs per round (> 1: ours
 is slower), and its median.
 
@@ -187,7 +187,7 @@ def run_ours(s: Settings, work: Path, tag: str, lora: bool) -> dict[str, Any]:
     wall = time.perf_counter() - start
     rows = read_metrics(Path(recipe.run.output_dir) / tag / "ppo" / "metrics.jsonl")
     steady = rows[1:] or rows
-    tokens = [r["tokens/generated_per_s"] * r["time/rollout_s"] for r in steady]
+    tokens = [r["tokens/generated_per_s"] * r["time/generate_s"] for r in steady]
     return {
         "impl": "ours",
         "tag": tag,
@@ -195,7 +195,7 @@ def run_ours(s: Settings, work: Path, tag: str, lora: bool) -> dict[str, Any]:
         "iterations": len(rows),
         "iteration_s": [round(r["time/iteration_s"], 4) for r in rows],
         "iteration_s_median": median([r["time/iteration_s"] for r in steady]),
-        "generation_s_median": median([r["time/rollout_s"] for r in steady]),
+        "generation_s_median": median([r["time/generate_s"] for r in steady]),
         "tokens_generated_per_s": median([r["tokens/generated_per_s"] for r in steady], 1),
         "completion_tokens_per_iteration": median(tokens, 1),
         "completion_length_mean": median([r["response/length_mean"] for r in steady], 2),
@@ -687,7 +687,7 @@ def main() -> None:
             "one generation batch; medians skip iteration 1 (warm-up)",
             "step_s_median": "trl only: per optimizer step, skipping step 1",
             "tokens_generated_per_s": "completion tokens (EOS included) / generation time "
-            "(ours: time/rollout_s; trl: _generate_single_turn)",
+            "(ours: time/generate_s; trl: _generate_single_turn)",
             "throughput_tokens_per_s": "completion tokens / iteration_s",
             "peak_rss_mb": "getrusage ru_maxrss of the run's own process (imports, models, "
             "training; ours also its final checkpoint and adapter save)",

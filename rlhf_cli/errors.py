@@ -76,6 +76,11 @@ class DataError(RlhfError):
     """A dataset is missing, empty, or lacks the columns a stage needs."""
 
 
+class GenerationServerLost(RlhfError):
+    """A rollout server stopped answering (after its retries) or answered out of turn; the PPO
+    loop checkpoints first and names the `--resume` line."""
+
+
 class ModelLoadError(RlhfError):
     """A model cannot be loaded as the recipe asks (e.g. 4-bit where bitsandbytes cannot)."""
 

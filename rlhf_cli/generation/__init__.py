@@ -60,10 +60,15 @@ __all__ = [
 ]
 
 
-def require_engine(gen: GenerationSection) -> None:
-    """What `gen.backend` needs installed, checked before any model loads (one line, exit 2);
-    building the engine checks it again, so a caller that skips this only fails later. A
-    4-bit policy with vLLM is refused by the recipe itself."""
+def require_engine(gen: GenerationSection, section: str = "ppo.generation") -> None:
+    """What `gen.backend` needs, checked before any model loads (one line, exit 2): vLLM
+    installed for the colocated engine, every server answering for `vllm_server`. Building the
+    engine checks it again, so a caller that skips this only fails later. A 4-bit policy with
+    vLLM is refused by the recipe itself."""
+    if gen.backend == "vllm_server":
+        from rlhf_cli.generation.server import check_servers
+
+        check_servers(gen.server, section)
     if gen.backend == "vllm":
         from rlhf_cli.generation.vllm import check_vllm
 
@@ -83,9 +88,18 @@ def generator_for(
     """`gen.backend`'s engine answering as `model` (transformers `generate` without `gen`).
     vLLM's is built from `model`'s whole weights, for prompts and answers of `max_len` tokens
     together, seeded from `seed`, computing in `dtype` on CUDA, its weights written under
-    `scratch` while it loads them."""
+    `scratch` while it loads them; the servers' client syncs through `server.shared_dir`
+    (default: `scratch`'s `.server-sync`) and is checked against `model`."""
     if gen is None or gen.backend == "hf":
         return HFGenerator(model, tokenizer, stop_token_ids(tokenizer, model))
+    if gen.backend == "vllm_server":
+        from rlhf_cli.generation.server import server_generator
+
+        if scratch is None or max_len <= 0:
+            raise ValueError("the servers' client needs max_len and a scratch folder")
+        shared = Path(gen.server.shared_dir) if gen.server.shared_dir else scratch / ".server-sync"
+        stops = stop_token_ids(tokenizer, model)
+        return server_generator(model, tokenizer, gen, max_len, shared.resolve(), stops)
     from rlhf_cli.generation.vllm import vllm_generator
 
     if scratch is None or max_len <= 0:

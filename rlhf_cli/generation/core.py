@@ -183,6 +183,31 @@ def decode(tokenizer: Any, response_ids: Tensor, response_mask: Tensor) -> list[
     ]
 
 
+def generations_from(
+    tokenizer: Any,
+    stop_ids: list[int],
+    queries: list[list[int]],
+    tokens: list[list[int]],
+    logprobs: list[list[float]],
+) -> Generations:
+    """An engine's answers as `Generations` on the CPU: each row's drawn `tokens` and their
+    sampler log-probs (`logprobs`, one per token), padded after each response's first stop
+    token; the queries left-padded."""
+    pad_id = tokenizer.pad_token_id
+    query_ids, query_mask = left_pad(queries, pad_id, torch.device("cpu"))
+    tokens = [ids or [pad_id] for ids in tokens]
+    width = max(len(t) for t in tokens)
+    response_ids = torch.full((len(tokens), width), pad_id, dtype=torch.long)
+    sampler = torch.zeros(len(tokens), width)
+    for row, (ids, drawn) in enumerate(zip(tokens, logprobs, strict=True)):
+        response_ids[row, : len(ids)] = torch.tensor(ids)
+        sampler[row, : len(drawn)] = torch.tensor(drawn, dtype=torch.float32)
+    response_mask, ended = response_mask_from(response_ids, stop_ids)
+    response_ids = torch.where(response_mask, response_ids, pad_id)
+    texts = decode(tokenizer, response_ids, response_mask)
+    return Generations(query_ids, query_mask, response_ids, response_mask, ended, texts, sampler)
+
+
 # ── the distribution the tokens were drawn from ─────────────────────────────────────────────────
 
 

@@ -28,13 +28,7 @@ import torch.distributed as dist
 from packaging.version import Version
 
 from rlhf_cli.errors import ModelLoadError
-from rlhf_cli.generation.core import (
-    Generations,
-    decode,
-    left_pad,
-    response_mask_from,
-    stop_token_ids,
-)
+from rlhf_cli.generation.core import Generations, generations_from, stop_token_ids
 from rlhf_cli.recipe import GenerationSection
 
 INSTALL = (
@@ -71,20 +65,32 @@ def check_vllm() -> None:
         )
 
 
+def _lora_layers(policy: Any) -> dict[str, Any]:
+    """The policy's LoRA layers that add their delta now, by their base weight's name: none
+    while the adapter is disabled (the reference, inside `disable_adapter`) or merged."""
+    from peft.tuners.lora import LoraLayer
+
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    return {
+        f"{name}.weight": module
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer) and not (module.disable_adapters or module.merged)
+    }
+
+
+def adapter_in_use(policy: Any) -> bool:
+    """Whether `policy` answers through a LoRA adapter now (not the base weights alone)."""
+    return hasattr(policy, "get_base_model") and bool(_lora_layers(policy))
+
+
 def merged_weights(policy: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights by the base model's names, one at a time, each LoRA delta added to
     its base weight as it is reached (peft's `get_delta_weight`): at most one merged weight
     exists beside the policy's own, not a second copy of the model. The policy itself is not
     touched. An adapter that is disabled (the reference, inside `disable_adapter`) or already
     merged adds nothing. Parameters as the modules hold them (whole inside a gather)."""
-    from peft.tuners.lora import LoraLayer
-
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-    lora = {
-        f"{name}.weight": module
-        for name, module in base.named_modules()
-        if isinstance(module, LoraLayer) and not (module.disable_adapters or module.merged)
-    }
+    lora = _lora_layers(policy)
     for name, param in base.named_parameters():
         if "lora_" in name:
             continue
@@ -142,22 +148,12 @@ class VLLMGenerator:
 
     def _answers(self, queries: list[list[int]], outputs: list[Any]) -> Generations:
         """vLLM's `RequestOutput`s of `queries` as `Generations`, on the CPU."""
-        pad_id = self.tokenizer.pad_token_id
-        query_ids, query_mask = left_pad(queries, pad_id, torch.device("cpu"))
-        tokens = [list(o.outputs[0].token_ids) or [pad_id] for o in outputs]
-        width = max(len(t) for t in tokens)
-        response_ids = torch.full((len(tokens), width), pad_id, dtype=torch.long)
-        sampler = torch.zeros(len(tokens), width)
-        for row, (ids, out) in enumerate(zip(tokens, outputs, strict=True)):
-            response_ids[row, : len(ids)] = torch.tensor(ids)
-            for step, chosen in enumerate(out.outputs[0].logprobs or []):
-                sampler[row, step] = chosen[ids[step]].logprob
-        response_mask, ended = response_mask_from(response_ids, self.stop_ids)
-        response_ids = torch.where(response_mask, response_ids, pad_id)
-        texts = decode(self.tokenizer, response_ids, response_mask)
-        return Generations(
-            query_ids, query_mask, response_ids, response_mask, ended, texts, sampler
-        )
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        drawn = [
+            [chosen[ids[step]].logprob for step, chosen in enumerate(o.outputs[0].logprobs or [])]
+            for ids, o in zip(tokens, outputs, strict=True)
+        ]
+        return generations_from(self.tokenizer, self.stop_ids, queries, tokens, drawn)
 
     def _wake(self) -> None:
         if self.asleep:

@@ -3,6 +3,8 @@ ppo/rollout.py, which also needs the run: kept apart so the logs need not import
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -24,6 +26,7 @@ class Rollout(Generations):
     prompts: list[str]
     n_truncated: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    staleness: int = 0  # PPO updates made since the answering weights (`async_steps`)
 
     def select(self, index: Tensor) -> dict[str, Tensor]:
         """The tensors a mini-batch update needs, for rollouts `index`."""
@@ -33,3 +36,31 @@ class Rollout(Generations):
             "response_ids": self.response_ids[index],
             "response_mask": self.response_mask[index],
         }
+
+
+@dataclass
+class Draft:
+    """A rollout's answers, asked for before its iteration (`generation.async_steps`)."""
+
+    index: list[int]  # this process's prompt indices
+    version: int  # the PPO updates the answering weights had seen
+    answers: Future[tuple[Generations, float]]  # and the seconds answering took
+    release: Callable[[], None]  # lets the engine move on when the draft is never answered
+
+
+@dataclass
+class Drafts:
+    """The rollouts in flight, by iteration, answered one after another in a thread of their
+    own while the update runs; at most `generation.async_steps` of them."""
+
+    pending: dict[int, Draft] = field(default_factory=dict)
+    pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="rollout")
+    )
+
+    def drop(self) -> None:
+        """Forget every draft (a stop, a failure): their answers are never trained on."""
+        for draft in self.pending.values():
+            if draft.answers.cancel():
+                draft.release()
+        self.pending.clear()

@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
 
-from rlhf_cli.errors import NonFiniteError
+from rlhf_cli.errors import GenerationServerLost, NonFiniteError
 from rlhf_cli.generation import response_logprobs, score_temperature
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.distributed import (
@@ -34,26 +35,36 @@ from rlhf_cli.ppo.logs import finite, iteration_metrics, progress_info, summariz
 from rlhf_cli.ppo.rollout import collect_rollout, logprob_mismatch
 from rlhf_cli.ppo.run import PPORun, checkpoint, heldout_eval, live_audit
 from rlhf_cli.recipe import PpoSection
+from rlhf_cli.resume import PPO_CHECKPOINT, checkpoint_folders
 from rlhf_cli.stopping import graceful_stop
 from rlhf_cli.tracking import make_progress
 
 
 def train(run: PPORun, start_iteration: int = 0) -> dict[str, Any]:
     """Run iterations `start_iteration+1 .. ppo.iterations`; return a summary. Ctrl-C or
-    SIGTERM finishes the iteration and checkpoints; divergence checkpoints and raises."""
+    SIGTERM finishes the iteration and checkpoints; divergence checkpoints and raises; a
+    rollout server lost for good checkpoints the last whole iteration and raises."""
     cfg, acc, logs = run.recipe.ppo, run.accelerator, run.logs
     progress = make_progress(logs.console)
     nonfinite_streak = 0
-    with graceful_stop(logs.console, "iteration") as stop, progress:
+    with graceful_stop(logs.console, "iteration") as stop, progress, _drafts_dropped(run):
         task = progress.add_task("ppo", total=cfg.iterations, completed=start_iteration, info="")
+        saved = start_iteration
         for iteration in range(start_iteration + 1, cfg.iterations + 1):
-            metrics, rollout, kl = run_iteration(run, iteration)
+            drawn = run.state.sampler.get_state()
+            try:
+                metrics, rollout, kl = run_iteration(run, iteration)
+            except GenerationServerLost as exc:
+                run.state.sampler.set_state(drawn)  # the resume draws this batch again
+                raise _lost(run, iteration - 1, saved, exc) from None
             nonfinite_streak = 0 if finite(metrics) else nonfinite_streak + 1
-            metrics.update(live_audit(run, iteration))
-            metrics.update(heldout_eval(run, iteration))
-            logs.history.append(metrics)
-            if acc.is_main_process:
-                logs.record(acc, iteration, metrics, rollout, kl)
+            try:
+                metrics.update(live_audit(run, iteration))
+                metrics.update(heldout_eval(run, iteration))
+            except GenerationServerLost as exc:
+                _log(run, iteration, metrics, rollout, kl)
+                raise _lost(run, iteration, saved, exc) from None
+            _log(run, iteration, metrics, rollout, kl)
             progress.update(task, completed=iteration, info=progress_info(metrics))
             if nonfinite_streak >= cfg.max_nonfinite:
                 checkpoint(run, iteration)
@@ -65,9 +76,42 @@ def train(run: PPORun, start_iteration: int = 0) -> dict[str, Any]:
             stop_now = any_process(acc, stop.requested)
             if iteration % cfg.save_freq == 0 or iteration == cfg.iterations or stop_now:
                 stop.saved = f"{checkpoint(run, iteration).name} (iteration {iteration})"
+                saved = iteration
             if stop_now:
                 raise KeyboardInterrupt(f"checkpoint {stop.saved} saved")
     return summarize(logs.history)
+
+
+def _log(run: PPORun, iteration: int, metrics: dict[str, float], rollout: Rollout, kl: Any) -> None:
+    run.logs.history.append(metrics)
+    if run.accelerator.is_main_process:
+        run.logs.record(run.accelerator, iteration, metrics, rollout, kl)
+
+
+@contextmanager
+def _drafts_dropped(run: PPORun) -> Iterator[None]:
+    """Rollouts asked for ahead are never trained on once the loop ends, however it ends."""
+    try:
+        yield
+    finally:
+        run.drafts.drop()
+
+
+def _lost(run: PPORun, done: int, saved: int, exc: GenerationServerLost) -> GenerationServerLost:
+    """The error a lost rollout server ends the run with, once the last whole iteration
+    (`done`) is checkpointed (unless it already was: `saved`)."""
+    run.drafts.drop()
+    if done > saved:
+        checkpoint(run, done)
+        saved = done
+    folders = checkpoint_folders(run.stage_dir / "checkpoints", PPO_CHECKPOINT)
+    then = (
+        f"checkpoint {folders[-1].name} (iteration {saved}) holds the run: once the server "
+        "answers, `rlhf ppo --resume` continues"
+        if folders
+        else "no checkpoint yet: once the server answers, run `rlhf ppo` again"
+    )
+    return GenerationServerLost(f"{exc}; {then}")
 
 
 def run_iteration(
@@ -100,9 +144,10 @@ def run_iteration(
         "time/update_s": update_s,
         "time/iteration_s": time.perf_counter() - t0,
         "rollout/logprob_mismatch": logprob_mismatch(rollout),
+        "rollout/staleness": float(rollout.staleness),
     }
     metrics.update(global_max(acc, slowest))  # the slowest process sets the pace
-    metrics["tokens/generated_per_s"] = n_tokens / metrics["time/rollout_s"]
+    metrics["tokens/generated_per_s"] = n_tokens / metrics["time/generate_s"]
     metrics["iteration"] = iteration
     return metrics, rollout, shaped.kl
 

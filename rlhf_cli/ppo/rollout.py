@@ -1,8 +1,8 @@
 """Rollout: PPO's experience for one iteration. `collect_rollout` takes this process's rows of the
 iteration's batch and runs `rollout_batch` on the actor's whole weights: answers come from the
-generation module; here they are scored by the reward model (penalised when unended, optionally
-normalised, clipped) and evaluated once by the policy, value head and reference, all under
-inference mode.
+generation module (asked for ahead with `generation.async_steps`); here they are scored by the
+reward model (penalised when unended, optionally normalised, clipped) and evaluated once by the
+policy, value head and reference, all under inference mode.
 
 The details that decide whether PPO works (Huang et al. 2023, "The N implementation details"):
 - the score goes on the last real response token, never on a pad after it (core.py);
@@ -18,12 +18,13 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 from torch import Tensor
 
 from rlhf_cli.generation import (
-    Generator,
+    Generations,
     response_logits,
     response_logprobs,
     row_seed,
@@ -31,7 +32,7 @@ from rlhf_cli.generation import (
 from rlhf_cli.modeling import Reference
 from rlhf_cli.ppo.core import RunningMoments
 from rlhf_cli.ppo.distributed import prompt_rows
-from rlhf_cli.ppo.experience import Rollout
+from rlhf_cli.ppo.experience import Draft, Rollout
 from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.ppo.run import PPORun
 from rlhf_cli.recipe import PpoSection
@@ -65,24 +66,68 @@ def collect_rollout(run: PPORun, iteration: int) -> Rollout:
     its rows of the global batch, drawn by the run's prompt sampler (alike on every process),
     each answered from its own seed (`generation.row_seed`); generated, scored and evaluated
     (`rollout_batch`) on the actor's whole weights, gathered once, in the precision of the
-    update's forward. At β = 0 no reference forward runs: the KL would shape nothing."""
-    cfg, acc, models, state = run.recipe.ppo, run.accelerator, run.models, run.state
-    index = prompt_rows(acc, len(run.prompts), cfg.batch_size, cfg.num_generations, state.sampler)
-    rows = range(acc.process_index, cfg.batch_size, acc.num_processes)  # global batch rows
+    update's forward. At β = 0 no reference forward runs: the KL would shape nothing.
+
+    With `generation.async_steps` N >= 1 the answers were asked for up to N iterations ago
+    (`Draft`); once they are in, the latest weights go to the servers and the rollouts of the
+    next N iterations are asked for, answered while this one is scored and trained on. The
+    first iteration (and the first after a resume) is generated from the latest weights."""
+    cfg, acc, models, drafts = run.recipe.ppo, run.accelerator, run.models, run.drafts
+    ahead = cfg.generation.async_steps
     with acc.autocast(), models.engine.gathered(models.actor) as actor:
-        models.generator.sync(actor.policy)  # a separate engine (vLLM) gets the latest weights
-        return rollout_batch(
+        start = time.perf_counter()
+        draft = drafts.pending.pop(iteration, None)
+        synced = draft is None
+        if draft is None:
+            models.generator.sync(actor.policy)  # a separate engine gets the latest weights
+            draft = ask_rollout(run, iteration)
+        answers, generating = draft.answers.result()
+        waited = time.perf_counter() - start
+        if ahead:
+            if not synced:
+                models.generator.sync(actor.policy)
+            for later in range(iteration + 1, min(iteration + ahead, cfg.iterations) + 1):
+                if later not in drafts.pending:
+                    drafts.pending[later] = ask_rollout(run, later, version=iteration - 1)
+        rollout = rollout_batch(
             actor,
-            models.reference if state.kl_ctl.value > 0 else None,
+            models.reference if run.state.kl_ctl.value > 0 else None,
             models.scorer,
-            models.generator,
-            [run.prompts[i] for i in index],
-            [run.queries[i] for i in index],
+            answers,
+            [run.prompts[i] for i in draft.index],
             cfg,
-            state.score_moments,
+            run.state.score_moments,
             lambda x: acc.gather(x.to(acc.device)).cpu(),
-            seeds=[row_seed(run.recipe.run.seed, iteration, row) for row in rows],
         )
+    rollout.timings["time/rollout_s"] = waited  # what the loop waited for its answers
+    rollout.timings["time/generate_s"] = generating  # what answering them took
+    rollout.staleness = iteration - 1 - draft.version
+    return rollout
+
+
+def ask_rollout(run: PPORun, iteration: int, version: int | None = None) -> Draft:
+    """Ask the rollout engine for iteration `iteration`'s answers: this process's prompts drawn
+    now, each row from its seed; answered in the drafts' thread by the weights the engine holds
+    now (`version`: the PPO updates they have seen, iteration - 1 when they are the latest)."""
+    cfg, acc, generator = run.recipe.ppo, run.accelerator, run.models.generator
+    index = prompt_rows(
+        acc, len(run.prompts), cfg.batch_size, cfg.num_generations, run.state.sampler
+    )
+    rows = range(acc.process_index, cfg.batch_size, acc.num_processes)  # global batch rows
+    seeds = [row_seed(run.recipe.run.seed, iteration, row) for row in rows]
+    queries = [run.queries[i] for i in index]
+    version = iteration - 1 if version is None else version
+
+    def timed(generate: Callable[..., Generations]) -> tuple[Generations, float]:
+        start = time.perf_counter()
+        return generate(queries, cfg.generation, seeds), time.perf_counter() - start
+
+    if not cfg.generation.async_steps:  # answered here and now, in this thread's precision
+        answers: Future[tuple[Generations, float]] = Future()
+        answers.set_result(timed(generator.generate))
+        return Draft(index, version, answers, lambda: None)
+    pinned = generator.pinned()  # only the servers' client overlaps (the recipe checks)
+    return Draft(index, version, run.drafts.pool.submit(timed, pinned), pinned.release)
 
 
 @torch.inference_mode()
@@ -90,33 +135,26 @@ def rollout_batch(
     actor: PolicyAndValue,
     reference: Reference | None,
     scorer: RewardScorer,
-    generator: Generator,
+    answers: Generations,
     prompts: list[str],
-    queries: list[list[int]],
     cfg: PpoSection,
     moments: RunningMoments | None = None,
     gather: Callable[[Tensor], Tensor] = lambda x: x,
-    seeds: list[int] | None = None,
 ) -> Rollout:
-    """Generate (each row from its seed in `seeds`, when given), score and evaluate one batch
-    of prompts (b = len(prompts)). Without `reference` (β = 0: the KL would shape nothing) no
-    reference forward runs and `ref_logprobs` is None."""
+    """Score and evaluate one batch of answers to `prompts` (b = len(prompts)). Without
+    `reference` (β = 0: the KL would shape nothing) no reference forward runs and
+    `ref_logprobs` is None."""
     device = next(actor.parameters()).device
     timings: dict[str, float] = {}
     actor.eval()
 
-    # 1. Batched generation (the generation module's backend).
-    start = time.perf_counter()
-    answers = generator.generate(queries, cfg.generation, seeds)
-    timings["time/rollout_s"] = time.perf_counter() - start
-
-    # 2. Score decoded text with the reward model's own tokenizer, in batches.
+    # 1. Score decoded text with the reward model's own tokenizer, in batches.
     start = time.perf_counter()
     raw_scores, n_truncated = scorer.score(prompts, answers.texts)
     scores = shaped_scores(raw_scores, answers.ended, cfg, moments, gather)
     timings["time/score_s"] = time.perf_counter() - start
 
-    # 3. Old log-probs and values (one pass), reference log-probs (adapter off), each under
+    # 2. Old log-probs and values (one pass), reference log-probs (adapter off), each under
     #    `logprob_support`; the old ones also under the sampler's distribution, which is what the
     #    sampler's own log-probs are checked against.
     start = time.perf_counter()

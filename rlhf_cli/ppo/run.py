@@ -4,7 +4,7 @@ an iteration: checkpoints, the live audit (`audit.every`), the held-out evaluati
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from rlhf_cli.generation import Generator
 from rlhf_cli.modeling import Reference
 from rlhf_cli.ppo.checkpoint import TrainState, save_checkpoint
 from rlhf_cli.ppo.distributed import any_process
+from rlhf_cli.ppo.experience import Drafts
 from rlhf_cli.ppo.logs import RunLogs
 from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.ppo.sharding import Engine
@@ -55,6 +56,7 @@ class PPORun:
     queries: list[list[int]]  # their token ids
     stage_dir: Path
     inputs: dict[str, InputRecord]  # the stages trained on (the manifest's)
+    drafts: Drafts = field(default_factory=Drafts)  # rollouts asked for ahead (`async_steps`)
 
     @property
     def unwrapped(self) -> PolicyAndValue:

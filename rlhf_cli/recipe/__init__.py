@@ -15,7 +15,7 @@ from rlhf_cli.recipe.docs import DATA_LAYOUTS, schema_markdown
 from rlhf_cli.recipe.load import default_recipe_path, load_recipe, parse_recipe
 from rlhf_cli.recipe.model import LoraSection, ModelSection, QuantizationSection, RunSection
 from rlhf_cli.recipe.names import BUILTIN_PREFIX, ESTIMATORS
-from rlhf_cli.recipe.ppo import GenerationSection, PpoSection, VllmSection
+from rlhf_cli.recipe.ppo import GenerationSection, PpoSection, ServerSection, VllmSection
 from rlhf_cli.recipe.schema import AuditSection, MergeSection, PushSection, Recipe
 from rlhf_cli.recipe.training import RewardFunctionSpec, RewardSection, SftSection, TrainerSection
 
@@ -38,6 +38,7 @@ __all__ = [
     "RewardFunctionSpec",
     "RewardSection",
     "RunSection",
+    "ServerSection",
     "SftSection",
     "SourceSpec",
     "StageSource",

@@ -20,7 +20,8 @@ ESTIMATORS: dict[str, EstimatorFlags] = {
 }
 EstimatorName = Literal[tuple(ESTIMATORS)]  # type: ignore[valid-type]
 
-GENERATION_BACKENDS = ("hf", "vllm")
+GENERATION_BACKENDS = ("hf", "vllm", "vllm_server")
 GenerationBackend = Literal[GENERATION_BACKENDS]  # type: ignore[valid-type]
+VLLM_BACKENDS = ("vllm", "vllm_server")  # both serve the policy's full-precision weights
 
 BUILTIN_PREFIX = "builtin:"  # `builtin:<name>`: a model built or shipped offline (tiny.py)

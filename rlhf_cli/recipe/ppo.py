@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import (
-    model_validator,
-)
+from pydantic import field_validator, model_validator
 
 from rlhf_cli.recipe.base import Section, described
 from rlhf_cli.recipe.names import ESTIMATORS, EstimatorName, GenerationBackend
@@ -35,6 +34,45 @@ class VllmSection(Section):
     )
 
 
+class ServerSection(Section):
+    urls: list[str] = described(
+        [],
+        "Base URLs of the vLLM servers (`rlhf serve` prints the line that sets them), e.g. "
+        "`[http://10.0.0.5:8000]`; each process's prompts are split across them.",
+    )
+    timeout_s: float = described(
+        300.0,
+        "Longest wait for one answer (or one sync step) from a server before it is retried.",
+        gt=0.0,
+    )
+    retries: int = described(
+        2,
+        "Tries after the first for a request that fails or times out; then the run "
+        "checkpoints and exits 2 with the `--resume` line.",
+        ge=0,
+    )
+    sync: Literal["auto", "lora", "weights"] = described(
+        "auto",
+        "How the policy reaches the servers after every update: `lora` writes the adapter "
+        "into `shared_dir` and loads it under a new name (vLLM's runtime LoRA loading); "
+        "`weights` writes the merged weights there and reloads them in place (vLLM's dev "
+        "endpoints); `auto`: `lora` for a LoRA policy, else `weights`.",
+    )
+    shared_dir: str | None = described(
+        None,
+        "A folder the trainer writes and every server reads (the same path on both sides: a "
+        "shared disk across machines); default: the run's `ppo/.server-sync` (one machine).",
+    )
+
+    @field_validator("urls")
+    @classmethod
+    def _http(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", url):
+                raise ValueError(f"{url!r} is not an http(s) URL such as http://127.0.0.1:8000")
+        return [url.rstrip("/") for url in urls]
+
+
 # fields that moved under `generation.vllm` in 0.1.0: named in the error until 0.2.0, then removed
 RENAMED_VLLM_FIELDS = {
     "vllm_gpu_memory_utilization": "vllm.gpu_memory_utilization",
@@ -53,12 +91,23 @@ class GenerationSection(Section):
     do_sample: bool = described(True, "Sample (True) or decode greedily.")
     backend: GenerationBackend = described(
         "hf",
-        "Generation engine: transformers `generate`, or a colocated vLLM engine that gets the "
-        "policy's weights after every update (`pip install 'rlhf-cli[vllm]'`). "
+        "Generation engine: transformers `generate`, a colocated vLLM engine that gets the "
+        "policy's weights after every update (`pip install 'rlhf-cli[vllm]'`), or vLLM "
+        "servers of their own (`vllm_server`: `server.urls`, started by `rlhf serve`). "
         "`ppo.generation.backend` samples the rollouts (and the in-training audit); "
         "`audit.generation.backend` serves `rlhf audit` and `rlhf compare`.",
     )
     vllm: VllmSection = described(VllmSection(), "The vLLM engine's settings (`backend: vllm`).")
+    server: ServerSection = described(
+        ServerSection(), "The vLLM servers' addresses and sync (`backend: vllm_server`)."
+    )
+    async_steps: int = described(
+        0,
+        "With `backend: vllm_server`, generate the next N rollouts while the update runs, each "
+        "at most N policy versions behind (`rollout/staleness`; `tis_cap` corrects the gap). "
+        "0: every rollout from the latest weights, and `--resume` is exact.",
+        ge=0,
+    )
     tis_cap: float | None = described(
         None,
         "Truncated importance sampling: weight each token's policy loss by "
@@ -75,6 +124,20 @@ class GenerationSection(Section):
                 if old in data:
                     raise ValueError(f"{old} is now {new}: move it under generation.vllm")
         return data
+
+    @model_validator(mode="after")
+    def _server(self) -> GenerationSection:
+        if self.backend == "vllm_server" and not self.server.urls:
+            raise ValueError(
+                "server.urls: backend vllm_server needs the servers' URLs (`rlhf serve` prints "
+                "the --set line)"
+            )
+        if self.async_steps and self.backend != "vllm_server":
+            raise ValueError(
+                f"async_steps: {self.async_steps} overlaps generation with the update, which "
+                "needs backend: vllm_server (a colocated engine shares the update's device)"
+            )
+        return self
 
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]

@@ -18,6 +18,7 @@ from rlhf_cli.guide import GUIDE_AUDIT_PROMPTS, GUIDE_SYCOPHANTIC_OPENERS
 from rlhf_cli.recipe.base import Section, described, resolve_local
 from rlhf_cli.recipe.data import DataSection
 from rlhf_cli.recipe.model import ModelSection, RunSection
+from rlhf_cli.recipe.names import VLLM_BACKENDS
 from rlhf_cli.recipe.ppo import GenerationSection, PpoSection
 from rlhf_cli.recipe.training import RewardSection, SftSection
 
@@ -128,10 +129,23 @@ class Recipe(Section):
     def _vllm_full_precision(self) -> Recipe:
         four_bit = self.model.quantization.load_in_4bit
         for name, gen in (("ppo", self.ppo.generation), ("audit", self.audit.generation)):
-            if four_bit and gen.backend == "vllm":
+            if four_bit and gen.backend in VLLM_BACKENDS:
                 raise ValueError(
-                    f"{name}.generation.backend: vllm loads the policy's merged full-precision "
-                    "weights: set model.quantization.load_in_4bit: false (or backend: hf)"
+                    f"{name}.generation.backend: {gen.backend} serves the policy's "
+                    "full-precision weights: set model.quantization.load_in_4bit: false (or "
+                    "backend: hf)"
+                )
+        if self.audit.generation.async_steps:
+            raise ValueError("audit.generation.async_steps: only PPO's rollouts overlap")
+        for name, gen in (("ppo", self.ppo.generation), ("audit", self.audit.generation)):
+            if (
+                gen.backend == "vllm_server"
+                and gen.server.sync == "lora"
+                and not (self.model.lora.enabled)
+            ):
+                raise ValueError(
+                    f"{name}.generation.server.sync: lora sends the policy's LoRA adapter, but "
+                    "model.lora.enabled is false: use sync: weights (or auto)"
                 )
         return self
 

@@ -48,7 +48,7 @@ def run_audit(
     else:
         device = pick_device(recipe.run.device)
         seed_everything(recipe.run.seed)  # the same audit twice samples the same responses
-        require_engine(cfg.generation)
+        require_engine(cfg.generation, "audit.generation")
         where = locate_policy(recipe, run, checkpoint, needed_by="rlhf audit")
         policy = load_policy(where, recipe.model, device)
         generator = generation_engine(

@@ -28,7 +28,7 @@ def run_compare(recipe: Recipe, prompts: list[str] | None = None) -> list[dict[s
     device = pick_device(recipe.run.device)
     seed_everything(recipe.run.seed)
     gen = recipe.audit.generation
-    require_engine(gen)
+    require_engine(gen, "audit.generation")
     policy = load_policy(where, recipe.model, device)
     if policy.reference is None:
         raise StageError("compare needs the SFT model of the run as reference")

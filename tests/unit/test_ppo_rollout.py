@@ -96,9 +96,10 @@ def _greeting_rollout(actor, policy, tokenizer, cfg, rows: int, reference=None):
         actor,
         Reference(policy, frozen_copy=policy if reference is None else reference),
         _ConstantScorer(),
-        HFGenerator(policy, tokenizer, [tokenizer.eos_token_id]),
+        HFGenerator(policy, tokenizer, [tokenizer.eos_token_id]).generate(
+            [tokenizer("hello there friend")["input_ids"]] * rows, cfg.generation
+        ),
         ["p"] * rows,
-        [tokenizer("hello there friend")["input_ids"]] * rows,
         cfg,
     )
 
@@ -133,9 +134,8 @@ def test_missing_eos_penalty_hits_only_responses_that_never_end(stop_on_anything
         actor,
         Reference(policy, frozen_copy=policy),
         _ConstantScorer(),
-        HFGenerator(policy, tokenizer, stops),
+        HFGenerator(policy, tokenizer, stops).generate(queries, cfg.generation),
         ["p"] * 4,
-        queries,
         cfg,
     )
     assert rollout.ended.all() == stop_on_anything
