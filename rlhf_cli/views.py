@@ -56,23 +56,35 @@ def stage_summary(manifest: dict[str, Any], title: str, out: Console) -> None:
 
 
 def plan_report(result: dict[str, Any], out: Console) -> None:
-    """`rlhf plan`: each stage's parts in GiB, the verdict, the suggestions."""
+    """`rlhf plan`: each stage's parts in GiB (and PPO's vLLM server's apart), the verdict, the
+    suggestions."""
     for name, stage in result["stages"].items():
         title = f"{name}: {fmt_gib(stage['peak_bytes'])} at peak ({stage['phase']})"
         if stage.get("device") == "cpu":
             title += ", on the CPU (host memory, not counted in the fit)"
         if "iteration_s" in stage:
             title += f", one iteration ≥ {stage['iteration_s']:.1f} s at the GPU's peak figures"
-        table = Table("part", "GiB")
-        for part, size in stage["parts"].items():
-            table.add_row(part, fmt_gib(size, unit=False))
-        out.print(title, table)
+        out.print(title, _parts_table(stage["parts"]))
+        if "server" in stage:
+            server = stage["server"]
+            out.print(
+                f"{name}'s vLLM server (each of server.urls): {fmt_gib(server['peak_bytes'])}, "
+                "on its own GPUs, outside the fit",
+                _parts_table({f"vLLM server: {k}": v for k, v in server["parts"].items()}),
+            )
     if result["fits"]:  # otherwise the error line says it
         out.print(result["verdict"])
     for s in result["suggestions"]:
         args = " ".join(f"--set {a}" for a in s["set"])
         how = " ".join(part for part in (s.get("launch"), args) if part)
         out.print(f"  {how}  → {fmt_gib(s['peak_bytes'])}")
+
+
+def _parts_table(parts: dict[str, int]) -> Table:
+    table = Table("part", "GiB")
+    for part, size in parts.items():
+        table.add_row(part, fmt_gib(size, unit=False))
+    return table
 
 
 def run_status(result: dict[str, Any], out: Console) -> None:

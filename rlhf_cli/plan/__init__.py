@@ -4,7 +4,8 @@ iteration, from the recipe and the models' `config.json` alone (no weights are l
 - `gpus`: the GPU table, `--memory` sizes and the `Target` a plan runs on;
 - `shapes`: the models' configs and their shapes, built on the meta device;
 - `parts`: the bytes of each part a stage holds (docs/plan.md, "What is counted");
-- `memory`: each stage's peak, one PPO iteration's time, the recipe's plan;
+- `memory`: each stage's peak, one PPO iteration's time, the recipe's plan, and what a
+  `vllm_server` backend's server holds beside it;
 - `suggest`: the recipe changes that bring a plan under the memory.
 """
 
@@ -29,6 +30,7 @@ from rlhf_cli.plan.memory import (
     plan_recipe,
     plan_sft,
     plan_train_rm,
+    plan_vllm_server,
     planned_stage_peak,
     ppo_iteration_seconds,
     ppo_lengths,
@@ -87,6 +89,7 @@ __all__ = [
     "plan_recipe",
     "plan_sft",
     "plan_train_rm",
+    "plan_vllm_server",
     "planned_stage_peak",
     "ppo_iteration_seconds",
     "ppo_lengths",

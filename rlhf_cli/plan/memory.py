@@ -154,10 +154,12 @@ def plan_ppo(
     recipe: Recipe, policy: ModelShape, reward: ModelShape | None, target: Target
 ) -> StagePlan:
     """PPO per process: the models (policy, trained weights and AdamW, critic, reference,
-    reward model, vLLM's share) held throughout, plus the largest of its phases: generation
-    (KV cache), scoring (the reward model's forward), the old / reference log-prob pass (two
-    logits tensors) and the update's forward/backward (activations, logits with the entropy's
-    fp32 copies) or optimizer step (gradients)."""
+    reward model, a colocated vLLM engine's share) held throughout, plus the largest of its
+    phases: generation (KV cache; none here with an engine, whose share holds it, or with
+    `vllm_server`, whose servers `plan_vllm_server` sizes apart), scoring (the reward model's
+    forward), the old / reference log-prob pass (two logits tensors) and the update's
+    forward/backward (activations, logits with the entropy's fp32 copies) or optimizer step
+    (gradients)."""
     cfg, model = recipe.ppo, recipe.model
     e = _compute_bytes(model, target)
     prompt, response = ppo_lengths(recipe)
@@ -168,6 +170,7 @@ def plan_ppo(
     gen = cfg.generation
     vllm = gen.backend == "vllm" and target.cuda and target.memory_bytes is not None
     vllm_share = int(gen.vllm.gpu_memory_utilization * target.memory_bytes) if vllm else 0
+    samples_here = not vllm and gen.backend != "vllm_server"  # else an engine holds the cache
     held = {"reward model": _reward_weights(recipe, reward, target)}
     rollout = {
         **weights,
@@ -177,8 +180,8 @@ def plan_ppo(
     }
     generation = {
         **rollout,
-        "KV cache": 0 if vllm else kv_cache_bytes(policy, rows * seq, e),
-        "sampling logits fp32": 0 if vllm else 3 * rows * policy.vocab * 4,
+        "KV cache": kv_cache_bytes(policy, rows * seq, e) if samples_here else 0,
+        "sampling logits fp32": 3 * rows * policy.vocab * 4 if samples_here else 0,
     }
     scoring = {**rollout, "reward forward": scoring_bytes(recipe, reward, target, rows)}
     logprobs = {**rollout, "old + reference logits": 2 * mb * (response + 1) * policy.vocab * e}
@@ -198,7 +201,23 @@ def plan_ppo(
     phases = {"generation": generation, "scoring": scoring, "old log-probs": logprobs, **update}
     plan = _peak("ppo", phases, target)
     plan.iteration_s, plan.detail["time_s"] = ppo_iteration_seconds(recipe, policy, reward, target)
+    if gen.backend == "vllm_server":
+        server = plan_vllm_server(recipe, policy, target)
+        plan.detail["server"] = {"peak_bytes": sum(server.values()), "parts": server}
     return plan
+
+
+def plan_vllm_server(recipe: Recipe, policy: ModelShape, target: Target) -> dict[str, int]:
+    """What one vLLM server of `backend: vllm_server` holds, outside the training processes'
+    plan: the policy's weights in `model.dtype` (`auto` resolved for a GPU like the target's)
+    and the KV cache of the whole `ppo.batch_size` (every process's prompts reach it) at
+    `data.prompts.max_tokens + max_new_tokens` tokens; `async_steps` N >= 1 may have N batches
+    in flight at once, so N times that."""
+    e = element_bytes(recipe.model.dtype, replace(target, cuda=True))
+    batches = max(1, recipe.ppo.generation.async_steps)
+    kv = kv_cache_bytes(policy, recipe.ppo.batch_size * sum(ppo_lengths(recipe)), e)
+    cache = "KV cache of a batch" if batches == 1 else f"KV cache of {batches} batches (async)"
+    return {f"weights {dtype_name(e)}": policy.params * e, cache: batches * kv}
 
 
 AUDIT_BATCH = 16  # rows the audit generates at once (audit/measure.py)

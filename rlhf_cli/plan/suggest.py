@@ -10,6 +10,7 @@ from rlhf_cli.plan.gpus import Target
 from rlhf_cli.plan.memory import plan_recipe
 from rlhf_cli.plan.shapes import Configs
 from rlhf_cli.recipe import Recipe, parse_recipe
+from rlhf_cli.recipe.names import VLLM_BACKENDS
 
 
 @dataclass
@@ -28,7 +29,7 @@ class Suggestion:
 
 def candidate_sets(recipe: Recipe) -> list[list[str]]:
     """One change each, in the order they cost the least: checkpointing, 4-bit (not with a vLLM
-    engine, which loads full-precision weights), halved
+    engine or server, which serve full-precision weights), halved
     mini-batches (accumulating more steps, so the optimiser step sees as many rollouts),
     halved responses, vLLM's share and sleep, halved SFT / reward batches."""
     model, ppo, gen = recipe.model, recipe.ppo, recipe.ppo.generation
@@ -36,7 +37,7 @@ def candidate_sets(recipe: Recipe) -> list[list[str]]:
     if not model.gradient_checkpointing:
         out.append(["model.gradient_checkpointing=true"])
     engines = {gen.backend, recipe.audit.generation.backend}
-    if not model.quantization.load_in_4bit and "vllm" not in engines:  # vLLM loads full weights
+    if not model.quantization.load_in_4bit and not engines & set(VLLM_BACKENDS):  # full weights
         out.append(["model.quantization.load_in_4bit=true", "model.lora.enabled=true"])
     mb, acc = ppo.mini_batch_size, ppo.gradient_accumulation_steps
     while mb % 2 == 0:

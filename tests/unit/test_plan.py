@@ -215,3 +215,90 @@ def test_a_training_step_peaks_in_its_pass_or_in_its_optimizer_step():
     assert once["optimizer step"] == {"weights": 100, "gradients fp32": 40, "AdamW m+v fp32": 80}
     accumulated = training_phases(held, 10, Target(), working, accumulates=True)
     assert accumulated["forward + backward"]["gradients fp32"] == 40
+
+
+# a Llama small enough to count by hand: hidden 64, 4 heads of 16 (2 of them for keys and
+# values: kv width 32), MLP 128, 2 layers, vocabulary 128, untied head
+LLAMA = dict(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+    num_hidden_layers=2, vocab_size=128, tie_word_embeddings=False,
+)  # fmt: skip
+LLAMA_PARAMS = 2 * 128 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+SERVER = ["ppo.generation.backend=vllm_server", "ppo.generation.server.urls=[http://s:8000]"]
+
+
+def _tiny_llama_ppo(target: Target, *sets: str):
+    """The tiny recipe's PPO plan on a GPU target (bf16 weights, no reward model), the Llama
+    above as its policy; tiny's batch of 32 rows of 64 prompt + 32 response tokens unless set."""
+    from transformers import LlamaConfig
+
+    base = ["run.device=auto", "model.dtype=bfloat16", *sets]
+    recipe = parse_recipe(load_recipe(REPO / "recipes" / "tiny.yaml").to_yaml(), overrides=base)
+    return plan_recipe(recipe, Configs(LlamaConfig(**LLAMA), None), target, ["ppo"]).stages["ppo"]
+
+
+def test_a_vllm_server_leaves_the_training_processes_no_engine_and_no_kv_cache():
+    target = Target(memory_bytes=8 * GIB)
+    hf, server = _tiny_llama_ppo(target), _tiny_llama_ppo(target, *SERVER)
+    colocated = _tiny_llama_ppo(target, "ppo.generation.backend=vllm")
+    # the colocated engine's share (gpu_memory_utilization's default 0.3) is held in every
+    # phase: the same peak without it, which is also hf's (its update outweighs its generation)
+    assert colocated.parts.pop("vLLM share") == int(0.3 * 8 * GIB)
+    assert server.phase == colocated.phase == hf.phase == "forward + backward"
+    assert server.parts == colocated.parts == hf.parts
+    assert "server" not in hf.to_json() and "server" not in colocated.to_json()
+    # mini-batches of 2 with checkpointing: hf peaks generating tiny's batch of 32 rows with a
+    # 96-token cache (2 bytes × K and V × 2 layers × kv width 32) and 3 fp32 logits rows each;
+    # the server backend samples nothing here, so its peak is another phase, below that
+    small = ["ppo.mini_batch_size=2", "model.gradient_checkpointing=true"]
+    hf, server = _tiny_llama_ppo(target, *small), _tiny_llama_ppo(target, *small, *SERVER)
+    assert hf.phase == "generation"
+    assert hf.parts["KV cache"] == 32 * 96 * 2 * 2 * 32 * 2
+    assert hf.parts["sampling logits fp32"] == 3 * 32 * 128 * 4
+    held = {k: v for k, v in hf.parts.items() if k not in ("KV cache", "sampling logits fp32")}
+    assert server.phase != "generation" and held.items() <= server.parts.items()
+    assert server.peak_bytes < hf.peak_bytes
+    assert not {"KV cache", "sampling logits fp32", "vLLM share"} & set(server.parts)
+
+
+def test_a_vllm_server_holds_the_weights_and_the_kv_cache_of_the_whole_batch():
+    """2 bytes a bf16 element: K and V of 2 layers × 2 heads × 16 dims for every token of the
+    whole batch (every process's rows), 40 prompt + 24 response tokens, whatever the processes."""
+    sets = [*SERVER, "ppo.batch_size=16", "data.prompts.max_tokens=40"]
+    sets += ["ppo.generation.max_new_tokens=24"]
+    kv = 16 * (40 + 24) * 2 * 2 * 2 * 16 * 2
+    for processes in (1, 2):
+        server = _tiny_llama_ppo(Target(processes=processes), *sets).to_json()["server"]
+        parts = {"weights 16-bit": LLAMA_PARAMS * 2, "KV cache of a batch": kv}
+        assert server == {"peak_bytes": LLAMA_PARAMS * 2 + kv, "parts": parts}
+    two = _tiny_llama_ppo(Target(), *sets, "ppo.generation.async_steps=2").to_json()["server"]
+    assert two["parts"]["KV cache of 2 batches (async)"] == 2 * kv
+    # the training processes' fit leaves the server out: the plan's peak is theirs alone
+    plan = _tiny_llama_ppo(Target(), *sets)
+    assert plan.peak_bytes == sum(plan.parts.values())
+
+
+def test_suggestions_for_a_vllm_server_size_the_training_side_alone(mistral):
+    recipe, configs = mistral
+    recipe = parse_recipe(
+        recipe.to_yaml(), overrides=["model.quantization.load_in_4bit=false", *SERVER]
+    )
+    target = Target(memory_bytes=16 * GIB)
+    assert not plan_recipe(recipe, configs, target, ["ppo"]).fits
+    found = suggest(recipe, configs, target, stages=["ppo"])
+    assert found and not any("load_in_4bit" in arg for s in found for arg in s.sets)
+    fitting = [s for s in found if s.fits and s.launch is None]
+    assert fitting and all(s.peak_bytes <= target.memory_bytes for s in fitting)
+
+
+def test_cli_shows_the_vllm_server_apart_from_the_fit():
+    server = ["--set", "model.quantization.load_in_4bit=false", "--stage", "ppo"]
+    server += [arg for s in SERVER for arg in ("--set", s)]
+    table = _plan("--gpu", "A100-40GB", *server)
+    assert table.exit_code == 0, table.output
+    assert "ppo's vLLM server (each of server.urls): 15.27 GiB" in table.stdout
+    assert "vLLM server: KV cache of a batch" in table.stdout
+    out = json.loads(_plan("--gpu", "A100-40GB", "--json", *server).stdout)
+    ppo = out["stages"]["ppo"]
+    assert out["peak_bytes"] == ppo["peak_bytes"] == sum(ppo["parts"].values())
+    assert set(ppo["server"]["parts"]) == {"weights 16-bit", "KV cache of a batch"}
