@@ -541,6 +541,47 @@ def report(
 
 @app.command(cls=_Command)
 @_exit_on_errors
+def serve(
+    recipe: RecipeOpt = None,
+    sets: SetOpt = None,
+    host: Annotated[
+        str, typer.Option("--host", help="Interface to listen on (0.0.0.0: other machines).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port.")] = 8000,
+    python: Annotated[
+        str | None,
+        typer.Option("--python", help="Interpreter with vLLM (default: this one)."),
+    ] = None,
+    gpu_memory_utilization: Annotated[
+        float,
+        typer.Option("--gpu-memory-utilization", min=0.05, max=0.99, help="GPU share (CUDA)."),
+    ] = 0.9,
+    start_timeout: Annotated[
+        float, typer.Option("--start-timeout", min=1.0, help="Seconds to wait for it to answer.")
+    ] = 600.0,
+    print_command: Annotated[
+        bool, typer.Option("--print-command", help="Print the command; start nothing.")
+    ] = False,
+    as_json: JsonOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
+    """Start vLLM's server for the recipe's policy (backend: vllm_server); Ctrl-C stops it.
+
+    Prints the --set line that points `rlhf ppo` at it once it answers."""
+    from rlhf_cli.stages.serve import ServeSettings, run_serve, serve_info
+
+    quiet_libraries()
+    resolved = resolve_recipe(recipe, runs_dir, sets)
+    settings = ServeSettings(host, port, python, gpu_memory_utilization, start_timeout)
+    show = functools.partial(views.serve_ready, as_json=as_json, console=make_console(False))
+    if print_command:
+        show(serve_info(resolved, settings), started=False)
+        return
+    run_serve(resolved, settings, functools.partial(show, started=True))
+
+
+@app.command(cls=_Command)
+@_exit_on_errors
 def compare(
     prompt: Annotated[
         list[str] | None,

