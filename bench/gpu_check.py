@@ -109,7 +109,9 @@ def build(shape: str, folder: Path) -> Path:
     return folder
 
 
-def recipe(shape: str, work: Path, iterations: int, backend: str = "hf") -> Path:
+def recipe(
+    shape: str, work: Path, iterations: int, backend: str = "hf", server_url: str | None = None
+) -> Path:
     data = tiny_recipe_data(work, f"gpu-{shape}", iterations)
     data["run"]["device"] = "auto"
     data["sft"]["enabled"] = False
@@ -126,6 +128,8 @@ def recipe(shape: str, work: Path, iterations: int, backend: str = "hf") -> Path
     data["reward"] = {**data["reward"], "base_model": None, "pretrained": "builtin:minilm"}
     data["ppo"].update(PPO[shape], learning_rate=1.4e-5)
     data["ppo"]["generation"] = {**data["ppo"]["generation"], "backend": backend}  # PPO stays as is
+    if backend == "vllm_server":
+        data["ppo"]["generation"]["server"] = {"urls": [server_url]}
     path = work / f"{shape}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -233,7 +237,10 @@ def main() -> None:
     parser.add_argument("shapes", nargs="+", choices=sorted(SHAPES))
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--out", default="gpu_check.json")
-    parser.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="rollout engine")
+    parser.add_argument(
+        "--backend", choices=["hf", "vllm", "vllm_server"], default="hf", help="rollout engine"
+    )
+    parser.add_argument("--server-url", help="the vLLM server (--backend vllm_server)")
     parser.add_argument(
         "--paths",
         action="store_true",
@@ -247,7 +254,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.recipe_to:
-        print(recipe(args.shapes[0], args.recipe_to, args.iterations, args.backend))
+        shape, where = args.shapes[0], args.recipe_to
+        print(recipe(shape, where, args.iterations, args.backend, args.server_url))
         return
     if args.paths:
         results = [paths(shape) for shape in args.shapes]

@@ -7,7 +7,7 @@
 # Each result holds `rlhf plan`'s estimate beside the measured peak (planned_peak_gib,
 # measured_peak_gib: max_memory_allocated, plan_gap) for PPO and the bf16 / fp16 merges.
 # Usage (device tool): bash bench/gpu_check.sh
-#   → $OUT/gpu_check_{qwen,qwen_vllm,paths,mistral,zero3}.json
+#   → $OUT/gpu_check_{qwen,qwen_vllm,qwen_server_async0,qwen_server_async1,paths,mistral,zero3}.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
@@ -23,6 +23,28 @@ timeout 240 .venv-gpu/bin/python bench/gpu_check.py qwen0.5b --iterations 3 \
 if .venv-gpu/bin/pip install -q vllm; then
   timeout 240 .venv-gpu/bin/python bench/gpu_check.py qwen0.5b --iterations 3 --backend vllm \
     --out "$out/gpu_check_qwen_vllm.json" || echo "the vLLM run failed or did not finish"
+fi
+# the same shape rolling out on a vLLM server (`rlhf serve`, a third of the same GPU), then with
+# async_steps 1: iteration time, generated tokens/s, the trainer's peak memory without an engine
+if .venv-gpu/bin/python -c "import vllm" 2>/dev/null; then
+  work="$(mktemp -d)"
+  url="http://127.0.0.1:8100"
+  server_recipe="$(.venv-gpu/bin/python bench/gpu_check.py qwen0.5b --iterations 3 \
+    --backend vllm_server --server-url "$url" --recipe-to "$work")"
+  .venv-gpu/bin/rlhf serve --recipe "$server_recipe" --port 8100 --gpu-memory-utilization 0.3 \
+    > "$work/serve.out" 2>&1 &
+  serve_pid=$!
+  if timeout 240 bash -c "until grep -q 'rlhf ppo --set' '$work/serve.out'; do sleep 2; done"; then
+    for steps in 0 1; do
+      timeout 200 .venv-gpu/bin/rlhf ppo --recipe "$server_recipe" --json --quiet \
+        --set run.name="gpu-server-async$steps" --set ppo.generation.async_steps="$steps" \
+        --set ppo.generation.tis_cap=2.0 > "$out/gpu_check_qwen_server_async$steps.json" \
+        || echo "the server run (async_steps $steps) failed or did not finish"
+    done
+  else
+    echo "rlhf serve did not answer:"; tail -5 "$work/serve.out"
+  fi
+  kill -TERM "$serve_pid" 2>/dev/null; wait "$serve_pid" || true
 fi
 # 4-bit LoRA SFT, PPO on it, bf16 and fp16 merges (the paths every CPU test runs in float32)
 timeout 240 .venv-gpu/bin/python bench/gpu_check.py qwen0.5b --paths \
