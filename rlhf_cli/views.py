@@ -188,10 +188,20 @@ def audit_report(report: dict[str, Any], cfg: AuditSection, out: Console, title:
     for key, label in (
         ("reward_policy_mean", "Mean reward, policy"),
         ("reward_reference_mean", "Mean reward, reference"),
+        ("judge_policy_mean", "Mean judge reward, policy"),
+        ("judge_reference_mean", "Mean judge reward, reference"),
         ("kl_to_reference", "KL to reference (nats)"),
     ):
         if key in report:
             table.add_row(label, f"{report[key]:+.4f}", "", "")
+    if "judge_agreement" in report:
+        table.add_row("Proxy and judge agree", f"{report['judge_agreement']:.0%}", "", "")
+        table.add_row(
+            "Proxy prefers policy, judge reference",
+            f"{report['proxy_against_judge']:.0%}",
+            "> 50%",
+            _mark(report, "overoptimization"),
+        )
     table.add_row("Responses", str(report["n_responses"]), "", "")
     out.print(table)
     if report["hacking_detected"]:
@@ -200,6 +210,11 @@ def audit_report(report: dict[str, Any], cfg: AuditSection, out: Console, title:
             out.print("Action: " + ACTION.format(step=cfg.kl_coef_step))
         if "brevity" in report["flags"]:
             out.print("Action: " + BREVITY_ACTION)
+        if "overoptimization" in report["flags"]:
+            out.print(
+                "Action: the proxy's gain is not the judge's: audit an earlier checkpoint "
+                "(ppo/checkpoints/), or train again with a larger β (ppo.init_kl_coef)."
+            )
     else:
         out.print("[green]No reward hacking patterns detected.[/]")
     if "path" in report:

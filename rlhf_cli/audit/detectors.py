@@ -8,11 +8,17 @@ One more, not the guide's: brevity, a length collapse, when the policy's mean an
 `min_length_ratio` of the reference's on the same prompts and seeds. A per-token KL penalty
 charges every token, so a large β can pay the policy to stop early; raising β, the guide's
 remedy for the other three, would not mend it.
+
+And one that needs a judge (`audit.judge`, a second reward the policy never trains against):
+overoptimization (Gao et al. 2022), the proxy reward rising while the judge's falls; in
+training over the last K held-out evaluations (`overoptimized`), in `rlhf audit` on one policy's
+answers against the reference's (`judge_agreement`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from rlhf_cli.errors import DataError
@@ -20,6 +26,7 @@ from rlhf_cli.recipe import AuditSection
 
 SYCOPHANCY_WINDOW = 150
 GUIDE_FLAGS = ("verbosity", "sycophancy", "repetition")  # the flags that raising β answers
+OVEROPTIMIZATION = "overoptimization"
 
 
 def is_verbose(response: str, max_words: int = 200) -> bool:
@@ -70,3 +77,46 @@ def audit_responses(
                 report["flags"].append("brevity")
     report["hacking_detected"] = bool(report["flags"])
     return report
+
+
+def fitted_change(values: Sequence[float]) -> float:
+    """How much the least-squares line through `values` (at 0, 1, 2, ...) moves from the first
+    point to the last: its slope times (len − 1). With three points, the last minus the first."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    spread = sum((x - mean_x) ** 2 for x in range(n))
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / spread
+    return slope * (n - 1)
+
+
+def overoptimized(evaluations: Sequence[tuple[float, float]], window: int, margin: float) -> bool:
+    """Whether the last `window` held-out evaluations, each (proxy, judge) reward, oldest
+    first, show the proxy rising by more than `margin` while the judge falls by more than
+    `margin` (`fitted_change` of each over the window, in the units of the values). Fewer
+    evaluations than `window` flag nothing."""
+    if len(evaluations) < window:
+        return False
+    proxy, judge = zip(*evaluations[-window:], strict=True)
+    return fitted_change(proxy) > margin and fitted_change(judge) < -margin
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def judge_agreement(proxy_gains: Sequence[float], judge_gains: Sequence[float]) -> dict[str, Any]:
+    """Per sample, the policy's answer's score minus the reference's answer's (same prompt,
+    same seed), under the proxy and under the judge: the share where both prefer the same answer
+    (the signs agree; a tie is its own sign), the share where the proxy prefers the policy's
+    answer while the judge prefers the reference's, and the `overoptimization` flag when that
+    is most samples (over half)."""
+    if not proxy_gains or len(proxy_gains) != len(judge_gains):
+        raise DataError("the judge's agreement needs one proxy and one judge gain per sample")
+    n = len(proxy_gains)
+    pairs = list(zip(proxy_gains, judge_gains, strict=True))
+    against = sum(p > 0 > j for p, j in pairs) / n
+    return {
+        "judge_agreement": sum(_sign(p) == _sign(j) for p, j in pairs) / n,
+        "proxy_against_judge": against,
+        "flags": [OVEROPTIMIZATION] if against > 0.5 else [],
+    }

@@ -1,14 +1,15 @@
 """Audit a live or saved policy: sample on the audit prompts, run the detectors, and, when a
-reward model and the reference are at hand, compare rewards and measure the KL to the reference.
-Used by `rlhf audit` and inside `rlhf ppo` (`audit.every`)."""
+reward model and the reference are at hand, compare rewards and measure the KL to the reference;
+with a judge (`audit.judge`), its rewards beside the proxy's. Used by `rlhf audit` and inside
+`rlhf ppo` (`audit.every`, and the held-out evaluation)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from rlhf_cli.audit.detectors import audit_responses
+from rlhf_cli.audit.detectors import audit_responses, judge_agreement
 from rlhf_cli.generation import (
     Generations,
     Generator,
@@ -72,10 +73,12 @@ def audit_policy(
     generator: Generator,
     reference_responses: list[str] | None = None,
     batch_size: int = 16,
+    judge: RewardScorer | None = None,
 ) -> dict[str, Any]:
     """The guide's audit report on `cfg.samples` responses per prompt; with the reference, the
     policy's KL to it and its answers' length against the reference's; with a reward model too,
-    their mean rewards. `generator` (the recipe's backend, `generation.generator_for`) samples,
+    their mean rewards, and with a judge (`audit.judge`) its rewards and agreement
+    (`score_answers`). `generator` (the recipe's backend, `generation.generator_for`) samples,
     synced to the policy, then to the reference. Each answer samples from its own seed, derived
     from `seed`, so the frozen reference's answers (in each sample's `reference`) are the same
     every audit of a run: passed back as `reference_responses`, they are not sampled again."""
@@ -96,19 +99,95 @@ def audit_policy(
                 ref_batches = sample_answers(generator, queries, cfg.generation, batch_size, seed)
             ref_responses = [text for answers in ref_batches for text in answers.texts]
     report = audit_responses(responses, cfg, ref_responses)
-    if scorer is not None:
-        report["reward_policy_mean"] = float(scorer.score(asked, responses)[0].mean())
     report.update(measured)
-    if scorer is not None and ref_responses is not None:
-        report["reward_reference_mean"] = float(scorer.score(asked, ref_responses)[0].mean())
+    per_sample = score_answers(report, asked, (responses, ref_responses), scorer, judge)
     report["samples"] = [
         {"prompt": p, "response": r} for p, r in zip(asked, responses, strict=True)
     ]
     if ref_responses is not None:
         for sample, ref_response in zip(report["samples"], ref_responses, strict=True):
             sample["reference"] = ref_response
+    for key, values in per_sample.items():
+        for sample, value in zip(report["samples"], values, strict=True):
+            sample[key] = value
     model.train(was_training)
     return report
+
+
+def score_answers(
+    report: dict[str, Any],
+    asked: list[str],
+    answers: tuple[list[str], list[str] | None],
+    scorer: RewardScorer | None,
+    judge: RewardScorer | None,
+) -> dict[str, list[float]]:
+    """Into `report`: the mean reward of the policy's answers and of the reference's (when
+    `answers` has them) under the proxy (`reward_*_mean`) and the judge (`judge_*_mean`); with
+    both scorers and the reference, their agreement on which answer is better
+    (`detectors.judge_agreement`), whose flag joins the report's. Returns each sample's scores
+    (`reward`, `reward_reference`, `judge`, `judge_reference`) when there is a judge."""
+    responses, ref_responses = answers
+    scores: dict[str, list[float]] = {}
+    for name, scoring in (("reward", scorer), ("judge", judge)):
+        if scoring is None:
+            continue
+        scores[name] = scoring.score(asked, responses)[0].float().tolist()
+        report[f"{name}_policy_mean"] = sum(scores[name]) / len(scores[name])
+        if ref_responses is not None:
+            ref = scoring.score(asked, ref_responses)[0].float().tolist()
+            scores[f"{name}_reference"] = ref
+            report[f"{name}_reference_mean"] = sum(ref) / len(ref)
+    if judge is None:
+        return {}
+    if len(scores) == 4:  # both scorers, both answers
+        gains = {
+            name: [p - r for p, r in zip(scores[name], scores[f"{name}_reference"], strict=True)]
+            for name in ("reward", "judge")
+        }
+        agreement = judge_agreement(gains["reward"], gains["judge"])
+        report["flags"] += agreement.pop("flags")
+        report["hacking_detected"] = bool(report["flags"])
+        report.update(agreement)
+    return scores
+
+
+class ReferenceScores(NamedTuple):
+    """The reference's held-out answers' scores (n,), fixed for a run: the proxy's, and the
+    judge's when there is one."""
+
+    proxy: torch.Tensor
+    judge: torch.Tensor | None = None
+
+
+def win_rate(scores: torch.Tensor, reference_scores: torch.Tensor) -> float:
+    """Share of rows (n,) where `scores` beat `reference_scores`, a tie counting ½."""
+    wins = (scores > reference_scores).float() + 0.5 * (scores == reference_scores).float()
+    return float(wins.mean())
+
+
+def gain(scores: torch.Tensor, reference_scores: torch.Tensor) -> float:
+    """The policy's mean score (n,) minus the reference's (n,), in units of the std of the
+    reference's scores (1 when they are all alike, or a single one): a scale both the proxy and
+    the judge share, fixed for a run."""
+    unit = float(reference_scores.std()) if len(reference_scores) > 1 else 0.0
+    return float(scores.mean() - reference_scores.mean()) / (unit if unit > 0 else 1.0)
+
+
+def judge_metrics(
+    policy: tuple[torch.Tensor, torch.Tensor], reference: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, float]:
+    """The judge's `eval/*` numbers from the (proxy, judge) scores, each (n,), of the policy's
+    held-out answers and of the reference's."""
+    (proxy, judge), (proxy_ref, judge_ref) = policy, reference
+    reward_gain, judge_gain = gain(proxy, proxy_ref), gain(judge, judge_ref)
+    return {
+        "eval/judge_reward_mean": float(judge.mean()),
+        "eval/judge_reward_reference_mean": float(judge_ref.mean()),
+        "eval/judge_win_rate": win_rate(judge, judge_ref),
+        "eval/reward_gain": reward_gain,
+        "eval/judge_reward_gain": judge_gain,
+        "eval/proxy_judge_gap": reward_gain - judge_gain,
+    }
 
 
 def heldout_eval(
@@ -121,31 +200,40 @@ def heldout_eval(
     reference: Reference,
     scorer: RewardScorer,
     generator: Generator,
-    reference_scores: torch.Tensor | None = None,
+    judge: RewardScorer | None = None,
+    reference_scores: ReferenceScores | None = None,
     batch_size: int = 16,
-) -> tuple[dict[str, float], torch.Tensor]:
+) -> tuple[dict[str, float], ReferenceScores]:
     """The policy's answers to held-out `prompts` (each row seeded) scored by the reward model
-    against the reference's answers to the same prompts from the same seeds: `eval/*` metrics,
-    and the reference's scores (pass them back in: the reference does not change)."""
+    (and the judge) against the reference's answers to the same prompts from the same seeds:
+    `eval/*` metrics, and the reference's scores (pass them back in: the reference does not
+    change)."""
     was_training = model.training
     model.eval()
     generator.sync(model)
     batches = sample_answers(generator, queries, gen, batch_size, seed)
-    scores = scorer.score(prompts, [t for b in batches for t in b.texts])[0].float()
+    texts = [t for b in batches for t in b.texts]
+    scores = scorer.score(prompts, texts)[0].float()
     if reference_scores is None:
         with reference.model() as ref:
             generator.sync(ref)
             ref_batches = sample_answers(generator, queries, gen, batch_size, seed)
         ref_texts = [t for b in ref_batches for t in b.texts]
-        reference_scores = scorer.score(prompts, ref_texts)[0].float()
-    wins = (scores > reference_scores).float() + 0.5 * (scores == reference_scores).float()
+        reference_scores = ReferenceScores(
+            scorer.score(prompts, ref_texts)[0].float(),
+            None if judge is None else judge.score(prompts, ref_texts)[0].float(),
+        )
     lengths = torch.cat([b.response_mask.sum(1).float() for b in batches])
     metrics = {
         "eval/reward_mean": float(scores.mean()),
-        "eval/reward_reference_mean": float(reference_scores.mean()),
-        "eval/win_rate": float(wins.mean()),
+        "eval/reward_reference_mean": float(reference_scores.proxy.mean()),
+        "eval/win_rate": win_rate(scores, reference_scores.proxy),
         "eval/kl": kl_to_reference(model, reference, batches, gen),
         "eval/length_mean": float(lengths.mean()),
     }
+    if judge is not None and reference_scores.judge is not None:
+        judged = judge.score(prompts, texts)[0].float()
+        reference_pair = (reference_scores.proxy, reference_scores.judge)
+        metrics.update(judge_metrics((scores, judged), reference_pair))
     model.train(was_training)
     return metrics, reference_scores

@@ -1,4 +1,5 @@
-"""The sections of the two TRL-trained stages: `sft` and `reward`."""
+"""The sections of the two TRL-trained stages, `sft` and `reward`, and `audit.judge`: a second
+reward, built as `reward` is, that the policy never trains against."""
 
 from __future__ import annotations
 
@@ -119,6 +120,14 @@ class RewardSection(TrainerSection):
     )
     url_timeout: float = described(30.0, "Seconds to wait for each answer of `reward.url`.", gt=0.0)
     url_retries: int = described(2, "Retries of a failed `reward.url` request before exit 2.", ge=0)
+    judge_fraction: float = described(
+        0.0,
+        "Share of the training pairs' prompts (drawn with `run.seed`) that `train-rm` keeps from "
+        "the reward model to train a second one on, with the same settings: the judge "
+        "(`rm/judge/`, `audit.judge.from_rm`). The two share no prompt; 0: no judge.",
+        ge=0.0,
+        le=0.5,
+    )
 
     @field_validator("pretrained", "base_model", "tokenizer")
     @classmethod
@@ -163,6 +172,82 @@ class RewardSection(TrainerSection):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _judge_is_trained(self) -> RewardSection:
+        if self.judge_fraction > 0 and self.base_model is None:
+            raise ValueError(
+                "judge_fraction: the judge is trained by `rlhf train-rm`, which needs "
+                "reward.base_model; with reward.pretrained give the judge as "
+                "audit.judge.pretrained instead"
+            )
+        return self
+
     @property
     def has_model(self) -> bool:
         return self.pretrained is not None or self.base_model is not None
+
+
+class JudgeSection(Section):
+    """`audit.judge`: a second reward the policy never trains against, scored at every held-out
+    evaluation and by `rlhf audit` beside the proxy (`reward`). Its model, when it has one, reads
+    (prompt, response) with `reward`'s template, max_length, dtype and batch size."""
+
+    pretrained: str | None = described(
+        None, "Any sequence-classification reward model (a folder or hub id) as the judge."
+    )
+    tokenizer: str | None = described(
+        None, "The judge model's tokenizer when it differs from the model's (with `pretrained`)."
+    )
+    from_rm: bool = described(
+        False,
+        "The judge is the reward model `rlhf train-rm` trained on the `reward.judge_fraction` "
+        "of the preference prompts that the proxy never saw (`rm/judge/`).",
+    )
+    input: Literal["auto", "pair", "template"] | None = described(
+        None,
+        "How the judge model reads (prompt, response), as in `reward.input`; unset: "
+        "`reward.input` (a `from_rm` judge always reads what it was trained on).",
+    )
+    functions: list[RewardFunctionSpec] = described(
+        [],
+        "Rule-based rewards added to the judge model's score, each times its weight (as "
+        "`reward.functions`); with no judge model they are the whole judge.",
+    )
+    window: int = described(
+        3,
+        "K: `overoptimization` is flagged when over the last K held-out evaluations the proxy's "
+        "reward rose while the judge's fell.",
+        ge=2,
+    )
+    margin: float = described(
+        0.1,
+        "How much each must move over those K evaluations (the least-squares line's change), "
+        "in units of the std of its scores of the reference's held-out answers, to count as a "
+        "rise or a fall rather than noise.",
+        ge=0.0,
+    )
+
+    @field_validator("pretrained", "tokenizer")
+    @classmethod
+    def _local_model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else resolve_local(value, info, "judge model folder")
+
+    @model_validator(mode="after")
+    def _one_judge(self) -> JudgeSection:
+        if self.pretrained is not None and self.from_rm:
+            raise ValueError(
+                "from_rm: set one of audit.judge.pretrained (a reward model) or "
+                "audit.judge.from_rm (train-rm's judge), not both"
+            )
+        if self.pretrained is None and not self.from_rm and not self.functions:
+            raise ValueError(
+                "pretrained: the judge needs audit.judge.pretrained (a reward model), "
+                "audit.judge.from_rm: true (train-rm's, with reward.judge_fraction) or "
+                "audit.judge.functions (rule-based)"
+            )
+        if self.from_rm and (self.input is not None or self.tokenizer is not None):
+            raise ValueError(
+                "from_rm: train-rm's judge reads what it was trained on with its own tokenizer: "
+                "drop audit.judge.input and audit.judge.tokenizer"
+            )
+        return self

@@ -1,4 +1,5 @@
-"""`rlhf audit`: the guide's reward-hacking audit (Part 10) on a policy or on given responses.
+"""`rlhf audit`: the guide's reward-hacking audit (Part 10) on a policy or on given responses;
+with `audit.judge`, the judge's rewards beside the proxy's and their agreement.
 
 Exit code 1 when hacking is detected, so the command gates a shell pipeline.
 """
@@ -21,6 +22,7 @@ from rlhf_cli.rundir import RunDir, atomic_write_json
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import (
     generation_engine,
+    load_judge,
     load_policy,
     load_scorer,
     locate_policy,
@@ -67,6 +69,7 @@ def run_audit(
                 scorer=load_scorer(recipe, run, device, needed_by="rlhf audit"),
                 generator=generator,
                 seed=recipe.run.seed,
+                judge=load_judge(recipe, run, device, needed_by="rlhf audit"),
             )
     report["audited"] = str(responses_file or checkpoint or run.stage_dir("ppo"))
     with StageRecord(run, "audit", recipe, inputs={}) as record:

@@ -48,6 +48,7 @@ from rlhf_cli.stages.common import seed_everything, start_or_resume
 from rlhf_cli.stages.trained import (
     frozen_scorer,
     generation_engine,
+    load_judge,
     policy_source,
     reward_source,
 )
@@ -153,6 +154,7 @@ def setup(
     engine = engine_for(accelerator)
     with engine.loading():
         scorer = frozen_scorer(recipe.reward, sources.reward, sources.reward_tokenizer, device)
+        judge = load_judge(recipe, run, device, needed_by="rlhf ppo") if heldout[0] else None
         actor, reference = build_actor(recipe, sources, device, scorer, tokenizer)
     generator = generation_engine(cfg.generation, actor.policy, tokenizer, recipe, stage_dir)
 
@@ -183,7 +185,7 @@ def setup(
         state=state,
         hooks=Hooks(
             audit=_live_audit(recipe, tokenizer, reference, scorer, generator),
-            evaluate=_live_eval(recipe, heldout, reference, scorer, generator),
+            evaluate=_live_eval(recipe, heldout, reference, (scorer, judge), generator),
         ),
         logs=RunLogs(
             writer=metrics,
@@ -355,16 +357,22 @@ def _live_audit(
 
 
 def _live_eval(
-    recipe: Recipe, heldout: Prompts, reference: Reference, scorer: RewardScorer, generator: Any
+    recipe: Recipe,
+    heldout: Prompts,
+    reference: Reference,
+    scorers: tuple[RewardScorer, RewardScorer | None],
+    generator: Any,
 ) -> Callable[[PolicyAndValue], dict[str, float]] | None:
     """The held-out evaluation on the live policy (given whole), sampled by the rollout engine
-    with the audit's generation settings; the reference's scores are computed once."""
-    from rlhf_cli.audit.measure import heldout_eval
+    with the audit's generation settings, scored by the reward and the judge (`audit.judge`,
+    when set: `scorers`); the reference's scores are computed once."""
+    from rlhf_cli.audit.measure import ReferenceScores, heldout_eval
 
     prompts, queries = heldout
     if not prompts:
         return None
-    kept: dict[str, torch.Tensor] = {}
+    scorer, judge = scorers
+    kept: dict[str, ReferenceScores] = {}
 
     def evaluate(actor: PolicyAndValue) -> dict[str, float]:
         metrics, kept["reference"] = heldout_eval(
@@ -376,6 +384,7 @@ def _live_eval(
             reference=reference,
             scorer=scorer,
             generator=generator,
+            judge=judge,
             reference_scores=kept.get("reference"),
         )
         return metrics

@@ -1,6 +1,8 @@
 """`rlhf report`: a run's metrics.jsonl as pictures (PNG + an HTML page with the summaries).
 
-The guide's healthy ranges (Part 9, `ppo/health.py`) are shaded; in-training audits are marked.
+The guide's healthy ranges (Part 9, `ppo/health.py`) are shaded; in-training audits are marked;
+with a judge (`audit.judge`), its held-out curves sit beside the proxy's, overoptimization flags
+marked.
 """
 
 from __future__ import annotations
@@ -28,7 +30,18 @@ PANELS = [
     ("Entropy (per token)", ["objective/entropy"]),
     ("Clip fraction", ["objective/clipfrac"]),
     ("Response length (tokens)", ["response/length_mean"]),
-    ("Held-out win rate against the SFT policy", ["eval/win_rate"]),
+    (
+        "Held-out win rate against the SFT policy: proxy, judge",
+        ["eval/win_rate", "eval/judge_win_rate"],
+    ),
+]
+# with a judge: its rewards, and both gains over the SFT policy in one unit (docs/metrics.md)
+JUDGE_PANELS = [
+    ("Judge reward, held-out", ["eval/judge_reward_mean", "eval/judge_reward_reference_mean"]),
+    (
+        "Held-out gain over the SFT policy (its scores' std): proxy, judge",
+        ["eval/reward_gain", "eval/judge_reward_gain"],
+    ),
 ]
 
 
@@ -57,8 +70,11 @@ def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
     steps = [r["iteration"] for r in rows]
     audits = [r["iteration"] for r in rows if "audit/verbosity_score" in r]
-    fig, axes = plt.subplots(4, 2, figsize=(12, 13))
-    for ax, (name, keys) in zip(axes.flat, PANELS, strict=True):
+    flagged = [r["iteration"] for r in rows if r.get("audit/overoptimization")]
+    judged = any("eval/judge_reward_mean" in r for r in rows)
+    panels = PANELS + (JUDGE_PANELS if judged else [])
+    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(12, 13 * len(panels) / 8))
+    for ax, (name, keys) in zip(axes.flat, panels, strict=True):
         for key in keys:
             points = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
             if not points:
@@ -82,11 +98,15 @@ def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             )
         for step in audits:
             ax.axvline(step, color="tab:red", linestyle=":", linewidth=1)
+        for step in flagged if (name, keys) in JUDGE_PANELS else ():
+            ax.axvline(step, color="tab:purple", linestyle="--", linewidth=1)
         ax.set_title(name)
         ax.set_xlabel("iteration")
         if ax.get_legend_handles_labels()[0]:  # an empty panel gets no legend (nor a warning)
             ax.legend(fontsize=7)
-    fig.suptitle(title + ("  (red dotted lines: in-training audits)" if audits else ""))
+    notes = ["red dotted lines: in-training audits"] if audits else []
+    notes += ["purple dashed: overoptimization flagged"] if flagged else []
+    fig.suptitle(title + "".join(f"  ({note})" for note in notes))
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

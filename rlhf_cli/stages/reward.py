@@ -5,10 +5,15 @@ Pairs are pre-tokenised here (`chosen_ids` / `rejected_ids`, and their token typ
 pair-encoding tokenizers) by the scorer PPO uses later, so as `reward.input` says (a text pair,
 or `reward.template`'s text), truncated to `reward.max_length` with the count reported. TRL then
 skips its own processing, which also avoids its need for an EOS token (MiniLM has none).
+
+With `reward.judge_fraction`, a share of the training pairs' prompts is kept from the reward model
+(the proxy PPO trains against) and a second one, the judge (`audit.judge.from_rm`), is trained on
+them afterwards by the same code, into `rm/judge/`.
 """
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -45,7 +50,7 @@ from rlhf_cli.stages.trainers import (
     train_resumable,
     trainer_kwargs,
 )
-from rlhf_cli.tracking import Trackers
+from rlhf_cli.tracking import MetricsWriter, Trackers
 
 
 def pairwise_eval(scorer: RewardScorer, pairs: list[dict[str, str]]) -> dict[str, float]:
@@ -88,7 +93,8 @@ def run_train_rm(recipe: Recipe, console: Console, resume: bool = False) -> Mani
         StageRecord(run, "rm", recipe, inputs={}, write=is_main) as record,
         trackers.environment(),
     ):
-        # 1. Data and model: pairs → reward-tokenizer ids (`reward.input`), truncation counted.
+        # 1. Data and model: pairs → reward-tokenizer ids (`reward.input`), truncation counted;
+        # the judge's pairs (`reward.judge_fraction`) kept apart.
         data = setup(recipe, run, device, record)
         start = pairwise_eval(data.scorer, data.eval_pairs)  # the fresh weights, also on resume
 
@@ -99,6 +105,13 @@ def run_train_rm(recipe: Recipe, console: Console, resume: bool = False) -> Mani
         # 3. Save a plain model.
         if is_main:
             save(recipe, record, data, (start, final), result)
+
+        # 4. The judge: another reward model, trained the same way on its own prompts (the
+        # first one's weights let go before the second's load).
+        if data.judge_pairs:
+            pairs = data.judge_pairs, data.eval_pairs
+            del data
+            train_judge(recipe, device, (record, console), *pairs)
     return record.manifest
 
 
@@ -108,20 +121,14 @@ class RewardData(NamedTuple):
     eval_pairs: list[dict[str, str]]
     train_ds: Any  # pre-tokenised `chosen_ids` / `rejected_ids` (+ `*_token_type_ids`)
     n_truncated: int  # training texts longer than reward.max_length
+    judge_pairs: list[dict[str, str]] = []  # kept from this model for the judge's training
 
 
 def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord) -> RewardData:
-    """The scorer on the untrained model, the train / held-out pairs, and the pre-tokenised
-    training set (`chosen_ids`, `rejected_ids`, and `chosen_token_type_ids`,
-    `rejected_token_type_ids` where pairs are encoded with token types), each exactly as the
-    scorer encodes it: TRL then skips its own processing, which also avoids its need for an EOS
-    token."""
-    from datasets import Dataset
-
+    """The preference pairs split into training and held-out pairs (`data.preferences`'s
+    `eval_fraction`), and the training pairs into the reward model's and the judge's
+    (`split_judge`); the reward model's `RewardData`, the judge's pairs in it."""
     cfg = recipe.reward
-    tokenizer = load_tokenizer(
-        cfg.tokenizer or cfg.base_model, cfg.trust_remote_code, padding_side="right"
-    )
     data = load_preferences(recipe.data.preferences, cache_dir=run.path / ".cache")
     same = data.dropped.get("identical answers", 0)
     if same:
@@ -137,12 +144,50 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
     train_pairs, eval_pairs = split_eval(
         pairs, recipe.data.preferences.eval_fraction, recipe.run.seed
     )
+    train_pairs, judge_pairs = split_judge(train_pairs, cfg.judge_fraction, recipe.run.seed)
+    proxy = reward_data(recipe, device, record, train_pairs, eval_pairs)
+    record.manifest["data"] = {"preferences": preference_figures(data, proxy.scorer)}
+    return proxy._replace(judge_pairs=judge_pairs)
+
+
+def split_judge(
+    pairs: list[dict[str, str]], fraction: float, seed: int
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """(the reward model's pairs, the judge's): `fraction` of the pairs' distinct prompts, a
+    seeded draw (`data.split_eval`), go to the judge with all their pairs, so the two models
+    share no prompt. No judge's pairs at 0."""
+    if fraction == 0:
+        return pairs, []
+    _, drawn = split_eval(sorted({p["prompt"] for p in pairs}), fraction, seed)
+    judged = set(drawn)
+    return (
+        [p for p in pairs if p["prompt"] not in judged],
+        [p for p in pairs if p["prompt"] in judged],
+    )
+
+
+def reward_data(
+    recipe: Recipe,
+    device: torch.device,
+    record: StageRecord,
+    train_pairs: list[dict[str, str]],
+    eval_pairs: list[dict[str, str]],
+) -> RewardData:
+    """The scorer on an untrained model and the pre-tokenised training set (`chosen_ids`,
+    `rejected_ids`, and `chosen_token_type_ids`, `rejected_token_type_ids` where pairs are
+    encoded with token types), each exactly as the scorer encodes it: TRL then skips its own
+    processing, which also avoids its need for an EOS token."""
+    from datasets import Dataset
+
+    cfg = recipe.reward
+    tokenizer = load_tokenizer(
+        cfg.tokenizer or cfg.base_model, cfg.trust_remote_code, padding_side="right"
+    )
     dtype = cfg.dtype if cfg.lora.enabled else "float32"  # fully trained: fp32 master weights
     model = load_reward_model(cfg.base_model, device, dtype, cfg.trust_remote_code)
     scorer = RewardScorer(
         model, tokenizer, cfg.template, cfg.max_length, cfg.score_batch_size, input=cfg.input
     )
-    record.manifest["data"] = {"preferences": preference_figures(data, scorer)}
     prompts = [p["prompt"] for p in train_pairs]
     encoded, n_truncated = {}, 0
     for side in ("chosen", "rejected"):
@@ -195,11 +240,13 @@ def train(
     out: tuple[StageRecord, Console],
     trackers: Trackers,
     checkpoint: tuple[Path, list[str]] | None,
+    judge: Path | None = None,
 ) -> tuple[Any, Any]:
     """TRL's RewardTrainer over the pre-tokenised pairs, from `checkpoint` when resuming, then
     the held-out pairs scored by the trained model (left in `data.scorer`, a plain frozen model)
     and logged as the Trainer logs, to metrics.jsonl and the trackers; (its TrainOutput, the
-    held-out results)."""
+    held-out results). The judge's training gives its folder (`judge`): its Trainer's
+    checkpoints and metrics.jsonl go there, and it starts afresh."""
     from trl import RewardConfig, RewardTrainer
 
     cfg, (record, console) = recipe.reward, out
@@ -207,7 +254,7 @@ def train(
         cfg,
         device,
         resolve_dtype(cfg.dtype, device),
-        record.dir,
+        judge or record.dir,
         recipe.run.seed,
         trackers,
         recipe.model.gradient_checkpointing,
@@ -227,7 +274,11 @@ def train(
         callbacks=[stage],
     )
     drop_printer(trainer)
-    stage.writer = start_or_resume_trainer(record, checkpoint, console)
+    stage.writer = (
+        start_or_resume_trainer(record, checkpoint, console)
+        if judge is None
+        else MetricsWriter(judge / "metrics.jsonl", enabled=record.write)
+    )
     try:
         folder = checkpoint[0] if checkpoint else None
         result = train_resumable(trainer, stage, folder, console, "rlhf train-rm")
@@ -252,12 +303,7 @@ def save(
     prompts (for PPO's overlap warning) and the manifest."""
     cfg, (start, final) = recipe.reward, evals
     scorer, train_pairs, eval_pairs = data.scorer, data.train_pairs, data.eval_pairs
-    scorer.model.save_pretrained(record.dir / "model")
-    scorer.tokenizer.save_pretrained(record.dir / "model")
-    atomic_write_json(
-        record.dir / "eval.json", {"before": start, "after": final, "eval_pairs": len(eval_pairs)}
-    )
-    atomic_write_json(record.dir / "train_prompts.json", sorted({p["prompt"] for p in train_pairs}))
+    save_model(data, record.dir, evals)
     record.manifest["outputs"] = {
         "model": "model",
         "tokenizer": "model",
@@ -279,3 +325,68 @@ def save(
         "truncated_texts": data.n_truncated,
     }
     drop_checkpoints(record)  # the result is saved: the resumable state is no longer needed
+
+
+def save_model(
+    data: RewardData, folder: Path, evals: tuple[dict[str, float], dict[str, float]]
+) -> None:
+    """Into `folder`: the model and tokenizer (`model/`, one from_pretrained folder), the
+    held-out results before and after training (`eval.json`) and the training prompts
+    (`train_prompts.json`: PPO's overlap warning, the judge's disjointness)."""
+    (start, final), scorer = evals, data.scorer
+    scorer.model.save_pretrained(folder / "model")
+    scorer.tokenizer.save_pretrained(folder / "model")
+    atomic_write_json(
+        folder / "eval.json", {"before": start, "after": final, "eval_pairs": len(data.eval_pairs)}
+    )
+    atomic_write_json(
+        folder / "train_prompts.json", sorted({p["prompt"] for p in data.train_pairs})
+    )
+
+
+def train_judge(
+    recipe: Recipe,
+    device: torch.device,
+    out: tuple[StageRecord, Console],
+    pairs: list[dict[str, str]],
+    eval_pairs: list[dict[str, str]],
+) -> None:
+    """The judge (`reward.judge_fraction`): a fresh reward model trained as the first was
+    (`reward_data`, `train`, `save_model`) on `pairs`, whose prompts the first never saw,
+    evaluated on the same held-out pairs, into `rm/judge/` (its metrics.jsonl and tracker run
+    `<name>-rm-judge` apart), added to the manifest's outputs and metrics. It writes no
+    periodic checkpoints and is not resumed: a stop while it trains leaves the stage
+    interrupted, and `rlhf train-rm` trains both again."""
+    record = out[0]
+    folder = record.dir / "judge"
+    trackers = Trackers.for_stage(recipe.run, "rm-judge", folder)
+    once = recipe.model_copy(update={"reward": recipe.reward.model_copy(update={"save_steps": 0})})
+    data = reward_data(once, device, record, pairs, eval_pairs)
+    start = pairwise_eval(data.scorer, eval_pairs)
+    try:
+        with trackers.environment():
+            result, final = train(once, data, device, out, trackers, None, judge=folder)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(
+            "stopped while training the judge (the reward model is saved, the judge is not): "
+            "`rlhf train-rm` trains both again"
+        ) from None
+    finally:  # a Ctrl-C's checkpoint too: nothing resumes it
+        if record.write:
+            shutil.rmtree(folder / "checkpoints", ignore_errors=True)
+    if not record.write:
+        return
+    save_model(data, folder, (start, final))
+    record.manifest["outputs"].update(
+        judge="judge/model",
+        judge_eval="judge/eval.json",
+        judge_metrics="judge/metrics.jsonl",
+        judge_train_prompts="judge/train_prompts.json",
+    )
+    record.manifest["metrics"].update(
+        judge_eval_accuracy=final["accuracy"],
+        judge_eval_margin=final["margin"],
+        judge_train_loss=result.training_loss,
+        judge_steps=result.global_step,
+        judge_train_pairs=len(pairs),
+    )

@@ -205,6 +205,36 @@ def load_scorer(
     return frozen_scorer(recipe.reward, path, tok, device)
 
 
+def load_judge(
+    recipe: Recipe, run: RunDir, device: torch.device, *, needed_by: str
+) -> RewardScorer | None:
+    """`audit.judge` as a scorer (None without one), built as the reward is (`frozen_scorer`,
+    `reward`'s template, lengths and dtype): its model (`pretrained`, or with `from_rm` the
+    judge that the run's train-rm trained beside the reward model) plus its functions. A
+    `from_rm` judge that train-rm did not train is a StageError."""
+    judge = recipe.audit.judge
+    if judge is None:
+        return None
+    path, tokenizer = judge.pretrained, judge.tokenizer or judge.pretrained
+    if judge.from_rm:
+        source = run.owner("rm")  # this run's, or its `run.base`'s
+        manifest = require(source, "rm", needed_by)
+        if "judge" not in manifest["outputs"]:
+            raise StageError(
+                f"audit.judge.from_rm: the rm stage of run '{source.name}' trained no judge: "
+                "set reward.judge_fraction (e.g. 0.2) and run `rlhf train-rm` again"
+            )
+        path = tokenizer = str(source.resolve_output("rm", manifest, "judge"))
+    reads = recipe.reward.model_copy(
+        update={
+            "functions": judge.functions,
+            "url": None,
+            "input": judge.input or recipe.reward.input,
+        }
+    )
+    return frozen_scorer(reads, path, tokenizer, device)
+
+
 def frozen_scorer(
     cfg: RewardSection, model_path: str | None, tokenizer_path: str | None, device: torch.device
 ) -> RewardScorer:
