@@ -401,8 +401,8 @@ def audit(
     checkpoint: Annotated[
         Path | None,
         typer.Argument(
-            help="PPO run, checkpoint (ppo/checkpoints/iter_N), adapter or merged model "
-            "folder. Default: the latest run's final policy."
+            help="PPO run, checkpoint (ppo/checkpoints/iter_N, or best, last, iter_N), adapter "
+            "or merged model folder. Default: the latest run's final policy."
         ),
     ] = None,
     responses: Annotated[
@@ -445,6 +445,12 @@ def merge(
     stage: Annotated[
         str, typer.Option("--stage", help="Which adapter to merge: ppo (default) or sft.")
     ] = "ppo",
+    checkpoint: Annotated[
+        str,
+        typer.Option(
+            "--checkpoint", help="PPO's final policy (last), the best evaluated one, or iter_N."
+        ),
+    ] = "last",
     recipe: RecipeOpt = None,
     sets: SetOpt = None,
     as_json: JsonOpt = False,
@@ -457,7 +463,7 @@ def merge(
 
     if stage not in ("ppo", "sft"):
         raise UsageError(f"--stage must be ppo or sft, not '{stage}'")
-    run = functools.partial(run_merge, stage=stage)
+    run = functools.partial(run_merge, stage=stage, checkpoint=checkpoint)
     _stage(run, "merged", recipe, as_json, quiet, runs_dir, sets)
 
 

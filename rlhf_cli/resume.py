@@ -144,3 +144,33 @@ def check_same_inputs(
                 f"({was.get('path')}); the one here now finished at {current['finished_at']} "
                 f"({current.get('path')}): {remedy}"
             )
+
+
+BEST_CHECKPOINT = "best.json"  # in PPO's checkpoints folder: the best evaluated iteration's
+
+
+def named_checkpoint(ppo_dir: Path, name: str) -> Path | None:
+    """The PPO checkpoint a command names: `best` (the best held-out evaluation's, which
+    `checkpoints/best.json` records), `last` (the final policy: None, the stage's own output)
+    or `iter_N` / `N`; StageError naming what exists when there is none."""
+    root = ppo_dir / "checkpoints"
+    if name == "last":
+        return None
+    if name == "best":
+        try:
+            best = json.loads((root / BEST_CHECKPOINT).read_text())
+        except (OSError, ValueError):
+            raise StageError(
+                f"{root} names no best checkpoint: set ppo.eval_every (and "
+                "data.prompts.eval_fraction) so that held-out evaluations choose one"
+            ) from None
+        folder = root / best["checkpoint"]
+    else:
+        number = name.removeprefix(PPO_CHECKPOINT)
+        if not number.isdigit():
+            raise StageError(f"--checkpoint must be best, last or iter_N, not '{name}'")
+        folder = root / f"{PPO_CHECKPOINT}{int(number):05d}"
+    if not folder.is_dir():
+        saved = ", ".join(f.name for f in checkpoint_folders(root, PPO_CHECKPOINT)) or "none"
+        raise StageError(f"{folder} does not exist (checkpoints: {saved})")
+    return folder

@@ -106,6 +106,8 @@ class Manifest(TypedDict, total=False):
     max_length: int  # rm
     reward_model: str | None  # ppo
     prompts: PromptCounts  # ppo
+    best: dict[str, Any] | None  # ppo: the best evaluated iteration's checkpoint
+    rollbacks: list[dict[str, Any]]  # ppo: `audit.on_hacking: rollback`
     reports: dict[str, dict[str, Any]]  # audit: each label's numbers
     last: str  # audit: the newest report's label
     merged_from: MergedFrom  # merged

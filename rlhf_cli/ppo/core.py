@@ -590,6 +590,10 @@ class _KLController:
         """Raise the coefficient by ``delta`` (the audit's response to reward hacking)."""
         self._value += float(delta)
 
+    def scale_by(self, factor: float) -> None:
+        """Multiply the coefficient by ``factor`` (a rollback's correction)."""
+        self._value *= float(factor)
+
 
 class AdaptiveKLController(_KLController):
     """Proportional KL-coefficient controller. [Ziegler sec. 2.2, TRL]

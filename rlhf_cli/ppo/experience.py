@@ -19,8 +19,10 @@ class Rollout(Generations):
 
     scores: Tensor  # (b,) reward-model scores (after penalties / clipping)
     raw_scores: Tensor  # (b,) as the reward model gave them
-    logprobs: Tensor  # policy at rollout time (the "old" log-probs), in `ppo.logprob_support`
-    warped_logprobs: Tensor  # the same under the sampler's own distribution (top-k, top-p)
+    # the policy at rollout time (the "old" log-probs), in `ppo.logprob_support`; None until the
+    # update's forward gives them when the rollout leaves them to it (old_logprobs_at_update)
+    logprobs: Tensor | None
+    warped_logprobs: Tensor | None  # the same under the sampler's distribution (top-k, top-p)
     ref_logprobs: Tensor | None  # None: no reference forward ran (β = 0)
     values: Tensor
     prompts: list[str]

@@ -32,8 +32,15 @@ from rlhf_cli.ppo.distributed import (
 from rlhf_cli.ppo.estimators import Batch, GlobalRows, estimator
 from rlhf_cli.ppo.experience import Rollout
 from rlhf_cli.ppo.logs import finite, iteration_metrics, progress_info, summarize
-from rlhf_cli.ppo.rollout import collect_rollout, logprob_mismatch
-from rlhf_cli.ppo.run import PPORun, checkpoint, heldout_eval, live_audit
+from rlhf_cli.ppo.rollout import collect_rollout, keep_old_logprobs, logprob_mismatch
+from rlhf_cli.ppo.run import (
+    PPORun,
+    checkpoint,
+    heldout_eval,
+    keep_best,
+    live_audit,
+    react_to_hacking,
+)
 from rlhf_cli.recipe import PpoSection
 from rlhf_cli.resume import PPO_CHECKPOINT, checkpoint_folders
 from rlhf_cli.stopping import graceful_stop
@@ -59,12 +66,18 @@ def train(run: PPORun, start_iteration: int = 0) -> dict[str, Any]:
                 raise _lost(run, iteration - 1, saved, exc) from None
             nonfinite_streak = 0 if finite(metrics) else nonfinite_streak + 1
             try:
-                metrics.update(live_audit(run, iteration))
+                audited, flags = live_audit(run, iteration)
+                metrics.update(audited)
                 metrics.update(heldout_eval(run, iteration))
             except GenerationServerLost as exc:
                 _log(run, iteration, metrics, rollout, kl)
                 raise _lost(run, iteration, saved, exc) from None
-            _log(run, iteration, metrics, rollout, kl)
+            if metrics.get("audit/overoptimization"):
+                flags.append("overoptimization")
+            try:
+                metrics.update(react_to_hacking(run, iteration, flags))
+            finally:  # `audit.on_hacking: stop` raises, its iteration logged first
+                _log(run, iteration, metrics, rollout, kl)
             progress.update(task, completed=iteration, info=progress_info(metrics))
             if nonfinite_streak >= cfg.max_nonfinite:
                 checkpoint(run, iteration)
@@ -74,9 +87,12 @@ def train(run: PPORun, start_iteration: int = 0) -> dict[str, Any]:
                     "ppo.learning_rate, raise ppo.init_kl_coef, check the reward model's scores"
                 )
             stop_now = any_process(acc, stop.requested)
-            if iteration % cfg.save_freq == 0 or iteration == cfg.iterations or stop_now:
+            save_now = iteration % cfg.save_freq == 0 or iteration == cfg.iterations or stop_now
+            if save_now:
                 stop.saved = f"{checkpoint(run, iteration).name} (iteration {iteration})"
                 saved = iteration
+            if "audit/rollback" not in metrics:  # evaluated weights that still stand
+                keep_best(run, iteration, metrics, saved=save_now)
             if stop_now:
                 raise KeyboardInterrupt(f"checkpoint {stop.saved} saved")
     return summarize(logs.history)
@@ -123,7 +139,8 @@ def run_iteration(
     cfg, acc, state = run.recipe.ppo, run.accelerator, run.state
     t0 = time.perf_counter()
     kl_coef = state.kl_ctl.value  # β as it stands at this iteration
-    # 1. Rollout: this process's prompts, answers, scores, old log-probs, values, reference
+    # 1. Rollout: this process's prompts, answers, scores, old log-probs (or none yet: the
+    #    update's forward gives them, rollout.old_logprobs_at_update), values, reference
     #    log-probs.
     rollout = collect_rollout(run, iteration)
     # 2. Advantages from KL-shaped rewards.
@@ -132,10 +149,11 @@ def run_iteration(
     t_update = time.perf_counter()
     stats = ppo_update(run, rollout, shaped.advantages, shaped.returns, kl_coef)
     update_s = time.perf_counter() - t_update
-    # 4. β moves once per iteration, toward the target KL.
-    critic = cfg.needs_critic
-    returns = shaped.returns if critic else None
-    metrics = iteration_metrics(acc, rollout, shaped.kl, shaped.rewards, returns, kl_coef, stats)
+    # 4. β moves once per iteration, toward the target KL (measured after the update, whose
+    #    forward may have given the old log-probs).
+    kl = reference_kl(rollout)
+    returns = shaped.returns if cfg.needs_critic else None
+    metrics = iteration_metrics(acc, rollout, kl, shaped.rewards, returns, kl_coef, stats)
     if math.isfinite(metrics.get("objective/kl", math.nan)):  # no KL measured at β = 0
         state.kl_ctl.update(metrics["objective/kl"], cfg.batch_size)
     n_tokens = float(acc.reduce(rollout.response_mask.sum().float(), "sum"))
@@ -149,7 +167,7 @@ def run_iteration(
     metrics.update(global_max(acc, slowest))  # the slowest process sets the pace
     metrics["tokens/generated_per_s"] = n_tokens / metrics["time/generate_s"]
     metrics["iteration"] = iteration
-    return metrics, rollout, shaped.kl
+    return metrics, rollout, kl
 
 
 def ppo_update(
@@ -222,14 +240,17 @@ def minibatch_loss(
     (`distributed.minibatch_shares`); the logged clip fractions, entropy and approx-KL are token
     means.
 
-    Log-probs are those of `logprob_support` (generation.response_logprobs). The entropy bonus
-    stays out of the autograd graph when its coefficient is 0: at a 32k vocabulary it would
-    keep a (b_mb, r, vocab) tensor alive for nothing."""
+    Log-probs are those of `logprob_support` (generation.response_logprobs). A rollout without
+    old log-probs (`rollout.old_logprobs_at_update`) gets this forward's, detached. The entropy
+    bonus stays out of the autograd graph when its coefficient is 0: at a 32k vocabulary it
+    would keep a (b_mb, r, vocab) tensor alive for nothing."""
     batch = rollout.select(idx)
     mask = batch["response_mask"]
     how = {"aggregation": cfg.loss_aggregation, "norm_len": cfg.generation.max_new_tokens}
     logits, values = actor(batch["input_ids"], batch["attention_mask"], mask.shape[1])
     logprobs = response_logprobs(logits, batch["response_ids"], cfg.generation, cfg.logprob_support)
+    if rollout.logprobs is None:  # the rollout's weights: this forward is π_old
+        keep_old_logprobs(rollout, idx, logits, logprobs, cfg)
     old, sampled, cap = rollout.logprobs[idx], rollout.sampler_logprobs, cfg.generation.tis_cap
     weights = None  # truncated importance sampling against the rollout engine's numerics
     if cap is not None and sampled is not None:
@@ -268,7 +289,6 @@ class Advantages(NamedTuple):
     """What `advantages_of` gives the update and the logs, each (b, r)."""
 
     rewards: torch.Tensor  # per token: the score on the last one, KL-shaped, maybe whitened
-    kl: torch.Tensor | None  # k1 per token; None when no reference ran (β = 0)
     advantages: torch.Tensor
     returns: torch.Tensor  # the value targets; 0 without a critic
 
@@ -283,14 +303,26 @@ def advantages_of(
     """Per-token rewards (the score on the last token, minus β × the KL estimate per token when
     `kl_in: reward`, whitened when `whiten_rewards`), then the estimator's advantages and
     returns (estimators.py). Statistics are the global batch's (`reduce_sum` sums over
-    processes, `across` sees every row)."""
+    processes, `across` sees every row). Only the KL in the rewards reads the old log-probs."""
     mask = rollout.response_mask
-    beta = kl_coef if cfg.kl_in == "reward" else 0.0
-    rewards, kl = core.kl_penalized_rewards(
-        rollout.scores, rollout.logprobs, rollout.ref_logprobs, mask, beta, cfg.kl_estimator
-    )
+    if cfg.kl_in == "reward" and rollout.ref_logprobs is not None:
+        rewards, _ = core.kl_penalized_rewards(
+            rollout.scores, rollout.logprobs, rollout.ref_logprobs, mask, kl_coef, cfg.kl_estimator
+        )
+    else:  # the scores alone (the KL is in the loss, or β = 0): no log-probs read, zeros
+        zeros = torch.zeros(mask.shape, device=mask.device)
+        rewards, _ = core.kl_penalized_rewards(rollout.scores, zeros, None, mask, 0.0)
     if cfg.whiten_rewards:
         rewards = core.masked_whiten(rewards, mask, shift_mean=False, reduce_sum=reduce_sum)
     batch = Batch(rewards, rollout.values, mask)
     advantages, returns = estimator(cfg.advantage_estimator).fn(batch, cfg, reduce_sum, across)
-    return Advantages(rewards, kl, advantages, returns)
+    return Advantages(rewards, advantages, returns)
+
+
+def reference_kl(rollout: Rollout) -> torch.Tensor | None:
+    """k1 = log π_old − log π_ref per token (b, r), 0 off the responses: what `objective/kl`,
+    β's update and samples.jsonl read, whatever `kl_estimator` penalises. None when no
+    reference ran (β = 0)."""
+    if rollout.ref_logprobs is None:
+        return None
+    return core.kl_estimate(rollout.logprobs, rollout.ref_logprobs, rollout.response_mask, "k1")

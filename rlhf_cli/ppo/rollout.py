@@ -11,6 +11,10 @@ The details that decide whether PPO works (Huang et al. 2023, "The N implementat
   the recipe sets them (generation.py), or with `ppo.logprob_support: full` under the
   temperature-only one; `logprob_mismatch` measures how well the training forward reproduces
   the sampler, in the sampler's distribution whichever the loss uses.
+
+When the update is one forward pass and one optimiser step, and nothing before it reads the old
+log-probs (`old_logprobs_at_update`), the rollout runs no policy forward: the update's own
+forward gives them (`keep_old_logprobs`).
 """
 
 from __future__ import annotations
@@ -66,14 +70,15 @@ def collect_rollout(run: PPORun, iteration: int) -> Rollout:
     its rows of the global batch, drawn by the run's prompt sampler (alike on every process),
     each answered from its own seed (`generation.row_seed`); generated, scored and evaluated
     (`rollout_batch`) on the actor's whole weights, gathered once, in the precision of the
-    update's forward. At β = 0 no reference forward runs: the KL would shape nothing.
+    update's forward. At β = 0 no reference forward runs: the KL would shape nothing; when the
+    update's forward gives the old log-probs (`old_logprobs_at_update`), no policy forward runs.
 
     With `generation.async_steps` N >= 1 the answers were asked for up to N iterations ago
     (`Draft`); once they are in, the latest weights go to the servers and the rollouts of the
     next N iterations are asked for, answered while this one is scored and trained on. The
     first iteration (and the first after a resume) is generated from the latest weights."""
     cfg, acc, models, drafts = run.recipe.ppo, run.accelerator, run.models, run.drafts
-    ahead = cfg.generation.async_steps
+    ahead, kl_coef = cfg.generation.async_steps, run.state.kl_ctl.value
     with acc.autocast(), models.engine.gathered(models.actor) as actor:
         start = time.perf_counter()
         draft = drafts.pending.pop(iteration, None)
@@ -91,13 +96,14 @@ def collect_rollout(run: PPORun, iteration: int) -> Rollout:
                     drafts.pending[later] = ask_rollout(run, later, version=iteration - 1)
         rollout = rollout_batch(
             actor,
-            models.reference if run.state.kl_ctl.value > 0 else None,
+            models.reference if kl_coef > 0 else None,
             models.scorer,
             answers,
             [run.prompts[i] for i in draft.index],
             cfg,
             run.state.score_moments,
             lambda x: acc.gather(x.to(acc.device)).cpu(),
+            old_logprobs=not old_logprobs_at_update(cfg, kl_coef),
         )
     rollout.timings["time/rollout_s"] = waited  # what the loop waited for its answers
     rollout.timings["time/generate_s"] = generating  # what answering them took
@@ -130,6 +136,38 @@ def ask_rollout(run: PPORun, iteration: int, version: int | None = None) -> Draf
     return Draft(index, version, run.drafts.pool.submit(timed, pinned), pinned.release)
 
 
+def old_logprobs_at_update(cfg: PpoSection, kl_coef: float) -> bool:
+    """Whether the rollout leaves the old log-probs to the update's forward and runs no policy
+    forward of its own (TRL skips that pass in the same case): one forward pass less per
+    iteration.
+
+    Valid when the update is a single forward/backward and optimiser step, and nothing reads
+    the old log-probs or values before it: `ppo_epochs` 1 with `mini_batch_size` = `batch_size`
+    (one mini-batch on every process, however many: `distributed.minibatch_rows`; the recipe
+    then has `gradient_accumulation_steps` 1), no critic (GAE needs the rollout's values before
+    the update), and no KL in the rewards (`kl_in: loss`, or β = `kl_coef` = 0). That forward
+    sees the rollout's weights, so its log-probs, detached, are π_old: the ratio is exactly 1,
+    where a separate pass gives 1 up to float noise."""
+    return (
+        cfg.ppo_epochs == 1
+        and cfg.mini_batch_size == cfg.batch_size
+        and not cfg.needs_critic
+        and (cfg.kl_in == "loss" or kl_coef == 0)
+    )
+
+
+def warped_logprobs(
+    logits: Tensor, response_ids: Tensor, logprobs: Tensor, cfg: PpoSection
+) -> Tensor:
+    """The response's log-probs under the sampler's distribution, from the `logits` that gave
+    `logprobs` (in `logprob_support`): those, detached, when the support is the sampler's, else
+    computed again over the warped logits (no forward pass, no gradient)."""
+    if cfg.logprob_support == "sampled":
+        return logprobs.detach()
+    with torch.no_grad():
+        return response_logprobs(logits, response_ids, cfg.generation)
+
+
 @torch.inference_mode()
 def rollout_batch(
     actor: PolicyAndValue,
@@ -140,10 +178,13 @@ def rollout_batch(
     cfg: PpoSection,
     moments: RunningMoments | None = None,
     gather: Callable[[Tensor], Tensor] = lambda x: x,
+    old_logprobs: bool = True,
 ) -> Rollout:
     """Score and evaluate one batch of answers to `prompts` (b = len(prompts)). Without
     `reference` (β = 0: the KL would shape nothing) no reference forward runs and
-    `ref_logprobs` is None."""
+    `ref_logprobs` is None. Without `old_logprobs` (`old_logprobs_at_update`) no policy
+    forward runs: `logprobs` and `warped_logprobs` are None until the update gives them, and
+    the values are zeros, as a critic-free actor gives them."""
     device = next(actor.parameters()).device
     timings: dict[str, float] = {}
     actor.eval()
@@ -154,9 +195,9 @@ def rollout_batch(
     scores = shaped_scores(raw_scores, answers.ended, cfg, moments, gather)
     timings["time/score_s"] = time.perf_counter() - start
 
-    # 2. Old log-probs and values (one pass), reference log-probs (adapter off), each under
-    #    `logprob_support`; the old ones also under the sampler's distribution, which is what the
-    #    sampler's own log-probs are checked against.
+    # 2. Old log-probs and values (one pass, unless left to the update), reference log-probs
+    #    (adapter off), each under `logprob_support`; the old ones also under the sampler's
+    #    distribution, which is what the sampler's own log-probs are checked against.
     start = time.perf_counter()
     input_ids, attention_mask = answers.input_ids, answers.attention_mask
     support = cfg.logprob_support
@@ -165,14 +206,14 @@ def rollout_batch(
     for s in range(0, len(prompts), step):
         ids, mask = input_ids[s : s + step], attention_mask[s : s + step]
         resp = answers.response_ids[s : s + step]
-        logits, values = actor(ids, mask, width)
-        parts["logprobs"].append(response_logprobs(logits, resp, cfg.generation, support))
-        parts["warped_logprobs"].append(
-            parts["logprobs"][-1]
-            if support == "sampled"
-            else response_logprobs(logits, resp, cfg.generation)
-        )
-        parts["values"].append(values)
+        if old_logprobs:
+            logits, values = actor(ids, mask, width)
+            parts["logprobs"].append(response_logprobs(logits, resp, cfg.generation, support))
+            parts["warped_logprobs"].append(
+                warped_logprobs(logits, resp, parts["logprobs"][-1], cfg)
+            )
+            parts["values"].append(values)
+            del logits
         if reference is not None:
             with reference.model() as ref:
                 ref_logits = response_logits(ref, ids, mask, width)
@@ -180,19 +221,39 @@ def rollout_batch(
                 response_logprobs(ref_logits, resp, cfg.generation, support)
             )
             del ref_logits
-        del logits
     timings["time/logprobs_s"] = time.perf_counter() - start
+    if not old_logprobs:  # critic-free: the values a forward would give
+        parts["values"].append(torch.zeros(answers.response_ids.shape, device=device))
     tensors = {k: torch.cat(v) for k, v in parts.items()}
     return Rollout(
         **vars(answers),
         scores=scores.to(device),
         raw_scores=raw_scores.to(device),
-        ref_logprobs=tensors.pop("ref_logprobs", None),
-        **tensors,
+        logprobs=tensors.get("logprobs"),
+        warped_logprobs=tensors.get("warped_logprobs"),
+        ref_logprobs=tensors.get("ref_logprobs"),
+        values=tensors["values"],
         prompts=prompts,
         n_truncated=n_truncated,
         timings=timings,
     )
+
+
+def keep_old_logprobs(
+    rollout: Rollout, idx: Tensor, logits: Tensor, logprobs: Tensor, cfg: PpoSection
+) -> None:
+    """Give `rollout` the old log-probs it left to the update (`old_logprobs_at_update`), from
+    the update's forward over rows `idx`, every row of this process's (one mini-batch):
+    `logprobs` (in `logprob_support`) detached, and the sampler's-distribution ones from the
+    same `logits`."""
+    rows = len(rollout.prompts)
+    if sorted(idx.tolist()) != list(range(rows)):
+        raise RuntimeError(
+            f"the old log-probs were left to a forward over {len(idx)} of {rows} rows"
+        )
+    order = torch.argsort(idx)  # row i was the forward's order[i]-th
+    warped = warped_logprobs(logits, rollout.response_ids[idx], logprobs, cfg)
+    rollout.logprobs, rollout.warped_logprobs = logprobs.detach()[order], warped[order]
 
 
 def logprob_mismatch(rollout: Rollout) -> float:

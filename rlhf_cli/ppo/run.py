@@ -8,19 +8,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_cli.audit.detectors import GUIDE_FLAGS
-from rlhf_cli.errors import CheckpointWriteError, write_remedy
+from rlhf_cli.audit.detectors import GUIDE_FLAGS, overoptimized
+from rlhf_cli.errors import CheckpointWriteError, HackingDetected, write_remedy
 from rlhf_cli.generation import Generator
 from rlhf_cli.modeling import Reference
-from rlhf_cli.ppo.checkpoint import TrainState, save_checkpoint
+from rlhf_cli.ppo.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from rlhf_cli.ppo.distributed import any_process
 from rlhf_cli.ppo.experience import Drafts
 from rlhf_cli.ppo.logs import RunLogs
 from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.ppo.sharding import Engine
 from rlhf_cli.recipe import Recipe
-from rlhf_cli.resume import PPO_CHECKPOINT, checkpoint_folders
-from rlhf_cli.rundir import InputRecord
+from rlhf_cli.resume import BEST_CHECKPOINT, PPO_CHECKPOINT, checkpoint_folders
+from rlhf_cli.rundir import InputRecord, atomic_write_json
 from rlhf_cli.scoring import RewardScorer
 
 
@@ -57,6 +57,8 @@ class PPORun:
     stage_dir: Path
     inputs: dict[str, InputRecord]  # the stages trained on (the manifest's)
     drafts: Drafts = field(default_factory=Drafts)  # rollouts asked for ahead (`async_steps`)
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)  # `audit.on_hacking: rollback`
+    best: dict[str, Any] | None = None  # the best evaluated iteration (`keep_best`)
 
     @property
     def unwrapped(self) -> PolicyAndValue:
@@ -69,6 +71,7 @@ def checkpoint(run: PPORun, iteration: int) -> Path:
     extra = {
         "inputs": run.inputs,  # what the weights fit: `--resume` and audit check it
         "health_seen": sorted(run.logs.health.seen),
+        "rollbacks": run.rollbacks,  # `audit.max_rollbacks` counts across a resume
     }
     try:
         return save_checkpoint(root, iteration, models.engine, models.actor, run.state, extra)
@@ -81,33 +84,113 @@ def checkpoint(run: PPORun, iteration: int) -> Path:
         ) from None
 
 
-def live_audit(run: PPORun, iteration: int) -> dict[str, float]:
-    """The in-training audit every `audit.every` iterations: its rates go into metrics.jsonl,
-    and when it flags hacking β is raised by `audit.kl_coef_step` (on every process). Every
-    process audits (the members of a tensor-parallel vLLM engine sample together); the main
-    process's report counts. It samples and scores in the precision of the rollout (autocast),
-    as the held-out evaluation does."""
+def live_audit(run: PPORun, iteration: int) -> tuple[dict[str, float], list[str]]:
+    """The in-training audit every `audit.every` iterations: its rates for metrics.jsonl, and
+    the guide's flags it raised (what `react_to_hacking` answers; the main process's report
+    counts, the other processes see none). Every process audits (the members of a
+    tensor-parallel vLLM engine sample together). It samples and scores in the precision of the
+    rollout (autocast), as the held-out evaluation does."""
     every, acc = run.recipe.audit.every, run.accelerator
     if run.hooks.audit is None or not every or iteration % every:
-        return {}
+        return {}, []
     with acc.autocast(), run.models.engine.gathered(run.models.actor) as actor:  # all join
         report = run.hooks.audit(actor)
     if not acc.is_main_process:
-        report = None
-    raise_beta = any_process(acc, bool(report and set(report["flags"]) & set(GUIDE_FLAGS)))
-    if raise_beta:
-        run.state.kl_ctl.raise_by(run.recipe.audit.kl_coef_step)
-    if report is None:
-        return {}
+        return {}, []
     if report["hacking_detected"]:
-        run.logs.warn(
-            f"iteration {iteration}: the audit flagged {', '.join(report['flags'])}; "
-            + (f"β raised to {run.state.kl_ctl.value:.4f}" if raise_beta else "β left as it was")
-        )
+        run.logs.warn(f"iteration {iteration}: the audit flagged {', '.join(report['flags'])}")
     keys = ("verbosity_score", "sycophancy_score", "repetition_score", "avg_response_len")
     keys += ("length_ratio",) if "length_ratio" in report else ()
     metrics = {f"audit/{k}": float(report[k]) for k in keys}
-    return {**metrics, "audit/hacking_detected": float(report["hacking_detected"])}
+    metrics["audit/hacking_detected"] = float(report["hacking_detected"])
+    return metrics, [flag for flag in report["flags"] if flag in GUIDE_FLAGS]
+
+
+def react_to_hacking(run: PPORun, iteration: int, flags: list[str]) -> dict[str, float]:
+    """`audit.on_hacking`, on every process alike, when any process saw `flags` (the guide's
+    detectors, overoptimization): raise β by `kl_coef_step`; or roll back (`roll_back`), at
+    most `max_rollbacks` times; or stop: checkpoint this iteration and exit 1 naming the best
+    checkpoint. Returns what goes into this iteration's metrics."""
+    cfg, acc = run.recipe.audit, run.accelerator
+    if not any_process(acc, bool(flags)):
+        return {}
+    names = ", ".join(flags) or "hacking (seen by the main process)"
+    if cfg.on_hacking == "raise_beta":
+        run.state.kl_ctl.raise_by(cfg.kl_coef_step)
+        run.logs.warn(f"iteration {iteration}: β raised to {run.state.kl_ctl.value:.4f} ({names})")
+        return {}
+    if cfg.on_hacking == "rollback" and len(run.rollbacks) < cfg.max_rollbacks:
+        return roll_back(run, iteration, names)
+    saved = checkpoint(run, iteration)
+    after = f" after {len(run.rollbacks)} rollback(s)" if run.rollbacks else ""
+    best = (
+        f"the best checkpoint is {run.best['checkpoint']} (iteration {run.best['iteration']}, "
+        f"{run.best['metric']} {run.best['value']:.4f}): `rlhf merge --checkpoint best`"
+        if run.best
+        else "no held-out evaluation has named a best checkpoint yet"
+    )
+    raise HackingDetected(
+        f"iteration {iteration}: the audit flagged {names}{after}; training stopped "
+        f"(audit.on_hacking: {cfg.on_hacking}) with this state in {saved.name}; {best}"
+    )
+
+
+def roll_back(run: PPORun, iteration: int, names: str) -> dict[str, float]:
+    """Restore the newest checkpoint written before iteration `iteration` (weights,
+    optimiser, scheduler, β, score moments, RNG: `load_checkpoint`, as `--resume` does), drop
+    the rollouts asked for ahead, then apply the recipe's correction: β × `rollback_kl_factor`,
+    the learning rate × `rollback_lr_factor`. Without a checkpoint before the flag only the
+    correction applies. The loop goes on counting iterations from `iteration`."""
+    cfg, state = run.recipe.audit, run.state
+    root = run.stage_dir / "checkpoints"
+    before = [
+        f for f in checkpoint_folders(root, PPO_CHECKPOINT)
+        if int(f.name.removeprefix(PPO_CHECKPOINT)) < iteration
+    ]  # fmt: skip
+    run.drafts.drop()
+    restored = 0
+    if before:
+        restored = int(
+            load_checkpoint(before[-1], run.models.engine, run.models.actor, state)["iteration"]
+        )
+    state.kl_ctl.scale_by(cfg.rollback_kl_factor)
+    for group in state.optimizer.param_groups:
+        group["lr"] *= cfg.rollback_lr_factor
+    state.scheduler.base_lrs = [lr * cfg.rollback_lr_factor for lr in state.scheduler.base_lrs]
+    lr = state.optimizer.param_groups[0]["lr"]
+    run.rollbacks.append(
+        {"iteration": iteration, "restored": restored, "flags": names,
+         "kl_coef": state.kl_ctl.value, "learning_rate": lr}
+    )  # fmt: skip
+    run.logs.warn(
+        f"iteration {iteration}: the audit flagged {names}; rolled back to "
+        + (f"{before[-1].name}" if before else "no checkpoint (none before the flag)")
+        + f", β now {state.kl_ctl.value:.4f}, learning rate {lr:.3g} "
+        f"(rollback {len(run.rollbacks)} of {cfg.max_rollbacks})"
+    )
+    return {"audit/rollback": 1.0, "audit/rolled_back_to": float(restored)}
+
+
+def keep_best(run: PPORun, iteration: int, metrics: dict[str, float], saved: bool) -> None:
+    """After a held-out evaluation: when its reward (the judge's when the recipe has one, else
+    the proxy's) beats every earlier one, make sure iteration `iteration` has a checkpoint
+    (written now unless `saved`) and name it in `checkpoints/best.json` and `run.best`.
+    Every process calls it (the checkpoint is collective)."""
+    acc = run.accelerator
+    key = "eval/judge_reward_mean" if "eval/judge_reward_mean" in metrics else "eval/reward_mean"
+    value = metrics.get(key)
+    better = value is not None and (run.best is None or value > run.best["value"])
+    if not any_process(acc, better):
+        return
+    folder = (
+        checkpoint(run, iteration)
+        if not saved
+        else run.stage_dir / "checkpoints" / (f"{PPO_CHECKPOINT}{iteration:05d}")
+    )
+    if acc.is_main_process:
+        run.best = {"iteration": iteration, "checkpoint": folder.name, "metric": key,
+                    "value": float(value)}  # fmt: skip
+        atomic_write_json(folder.parent / BEST_CHECKPOINT, run.best)
 
 
 def heldout_eval(run: PPORun, iteration: int) -> dict[str, float]:
@@ -118,4 +201,33 @@ def heldout_eval(run: PPORun, iteration: int) -> dict[str, float]:
         return {}
     with run.accelerator.autocast(), run.models.engine.gathered(run.models.actor) as actor:
         metrics = run.hooks.evaluate(actor)
-    return metrics if run.accelerator.is_main_process else {}
+    if not run.accelerator.is_main_process:
+        return {}
+    return {**metrics, **overoptimization(run, iteration, metrics)}
+
+
+def overoptimization(run: PPORun, iteration: int, metrics: dict[str, float]) -> dict[str, float]:
+    """With a judge (`audit.judge`), `audit/overoptimization`: 1.0 when this held-out
+    evaluation (`metrics`) and the earlier ones (`run.logs.history`) show the proxy's reward
+    rising while the judge's falls (`detectors.overoptimized` on each one's gain over the
+    reference, over `audit.judge.window` evaluations, beyond its `margin`), else 0.0; only
+    evaluations since the last rollback count (the weights they measured were undone). A flag
+    is warned about here; `react_to_hacking` answers it."""
+    keys = ("eval/reward_gain", "eval/judge_reward_gain")
+    if keys[1] not in metrics:
+        return {}
+    cfg, since = run.recipe.audit.judge, max((r["iteration"] for r in run.rollbacks), default=0)
+    earlier = [
+        (row[keys[0]], row[keys[1]])
+        for row in run.logs.history
+        if row["iteration"] > since and row.get(keys[1]) is not None
+    ]
+    flagged = overoptimized(
+        [*earlier, (metrics[keys[0]], metrics[keys[1]])], cfg.window, cfg.margin
+    )
+    if flagged:
+        run.logs.warn(
+            f"iteration {iteration}: overoptimization: over the last {cfg.window} held-out "
+            "evaluations the proxy's reward rose while the judge's fell"
+        )
+    return {"audit/overoptimization": float(flagged)}

@@ -20,7 +20,7 @@ from rlhf_cli.recipe.data import DataSection
 from rlhf_cli.recipe.model import ModelSection, RunSection
 from rlhf_cli.recipe.names import VLLM_BACKENDS
 from rlhf_cli.recipe.ppo import GenerationSection, PpoSection
-from rlhf_cli.recipe.training import RewardSection, SftSection
+from rlhf_cli.recipe.training import JudgeSection, RewardSection, SftSection
 
 
 class AuditSection(Section):
@@ -33,7 +33,29 @@ class AuditSection(Section):
         None, "Audit the live policy every N PPO iterations (guide: 50).", gt=0
     )
     kl_coef_step: float = described(
-        0.05, "Raise β by this much when an in-training audit flags.", ge=0.0
+        0.05,
+        "Raise β by this much when an in-training audit flags (`on_hacking: raise_beta`).",
+        ge=0.0,
+    )
+    on_hacking: Literal["raise_beta", "rollback", "stop"] = described(
+        "raise_beta",
+        "What an in-training flag does (the guide's detectors at `every`, overoptimization at a "
+        "held-out evaluation): raise β by `kl_coef_step`; `rollback` to the newest checkpoint "
+        "written before the flag (weights, optimiser, β, RNG) with β × `rollback_kl_factor` and "
+        "the learning rate × `rollback_lr_factor`, at most `max_rollbacks` times, then stop; "
+        "`stop`: checkpoint and exit 1 naming the best checkpoint.",
+    )
+    rollback_kl_factor: float = described(
+        2.0, "β is multiplied by this at each rollback (compounding).", ge=1.0
+    )
+    rollback_lr_factor: float = described(
+        0.5,
+        "The learning rate is multiplied by this at each rollback (compounding).",
+        gt=0.0,
+        le=1.0,
+    )
+    max_rollbacks: int = described(
+        3, "Rollbacks before a further flag stops the run (exit 1).", ge=0
     )
     verbosity_words: int = described(200, "A response over this many words is verbose.", gt=0)
     verbosity_threshold: float = described(
@@ -58,6 +80,12 @@ class AuditSection(Section):
     )
     generation: GenerationSection = described(
         GenerationSection(temperature=0.7, top_p=1.0), "Audit generation settings."
+    )
+    judge: JudgeSection | None = described(
+        None,
+        "A second reward the policy never trains against, scored beside the proxy at every "
+        "held-out evaluation and by `rlhf audit`; it flags `overoptimization` "
+        "(docs/ppo.md#judge). Unset: no judge.",
     )
 
     @field_validator("prompts_file")

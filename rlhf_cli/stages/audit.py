@@ -18,6 +18,7 @@ from rlhf_cli.generation import require_engine
 from rlhf_cli.modeling import pick_device
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.record import StageRecord
+from rlhf_cli.resume import named_checkpoint
 from rlhf_cli.rundir import RunDir, atomic_write_json
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import (
@@ -51,6 +52,8 @@ def run_audit(
         device = pick_device(recipe.run.device)
         seed_everything(recipe.run.seed)  # the same audit twice samples the same responses
         require_engine(cfg.generation, "audit.generation")
+        if checkpoint is not None and not checkpoint.exists():  # best, last, iter_N
+            checkpoint = named_checkpoint(run.stage_dir("ppo"), str(checkpoint))
         where = locate_policy(recipe, run, checkpoint, needed_by="rlhf audit")
         policy = load_policy(where, recipe.model, device)
         generator = generation_engine(

@@ -14,6 +14,7 @@ own adapter model within `cast_tolerance`.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,11 +24,18 @@ from rich.console import Console
 from rlhf_cli.data import audit_prompts
 from rlhf_cli.errors import MergeMismatch, StageError
 from rlhf_cli.generation import forward_logits, left_pad, tokenize_prompts
-from rlhf_cli.modeling import load_policy_tokenizer, load_sft_model, pick_device, resolve_dtype
+from rlhf_cli.modeling import (
+    load_policy_tokenizer,
+    load_sft_model,
+    pick_device,
+    resolve_dtype,
+    save_trained,
+)
 from rlhf_cli.recipe import ModelSection, Recipe
 from rlhf_cli.record import StageRecord, require
+from rlhf_cli.resume import named_checkpoint
 from rlhf_cli.rundir import Manifest, RunDir
-from rlhf_cli.stages.trained import locate_policy
+from rlhf_cli.stages.trained import PolicyLocation, load_policy, locate_policy
 
 # A bf16/fp16 copy of a model differs from its float32 original by a few rounding steps
 # (machine epsilon x the largest |logit|): measured on Llamas + LoRA of 2 to 24 layers, random
@@ -109,13 +117,18 @@ def merge_and_cast(
 
 
 def _adapter_location(
-    recipe: Recipe, run: RunDir, stage: Literal["ppo", "sft"]
+    recipe: Recipe, run: RunDir, stage: Literal["ppo", "sft"], checkpoint: str = "last"
 ) -> tuple[Path, str, Path | None, str, dict[str, Any]]:
     """(the adapter to merge, the base it goes on and that base's SFT adapter, the tokenizer,
     the stages it stands on), worked out before anything loads: the PPO policy where
-    `locate_policy` finds it, or the SFT adapter on `model.name_or_path`."""
+    `locate_policy` finds it (the final one, or `checkpoint`: `resume.named_checkpoint`), or
+    the SFT adapter on `model.name_or_path`."""
     if stage == "ppo":
-        where = locate_policy(recipe, run, needed_by="rlhf merge")
+        folder = named_checkpoint(run.stage_dir("ppo"), checkpoint)
+        where = locate_policy(recipe, run, folder, needed_by="rlhf merge")
+        if where.kind == "checkpoint":
+            return (_checkpoint_adapter(recipe, run, where), where.base, where.sft_adapter,
+                    where.tokenizer, where.inputs)  # fmt: skip
         if where.kind == "adapter":
             return where.folder, where.base, where.sft_adapter, where.tokenizer, where.inputs
     source = run.owner(stage)  # an sft of `run.base` when this run has none
@@ -130,12 +143,30 @@ def _adapter_location(
     return adapter, recipe.model.name_or_path, None, tokenizer, {stage: source.input_record(stage)}
 
 
-def run_merge(recipe: Recipe, console: Console, stage: Literal["ppo", "sft"] = "ppo") -> Manifest:
-    """Merge the PPO (or SFT) adapter; write `runs/<name>/merged/`; return its manifest."""
+def _checkpoint_adapter(recipe: Recipe, run: RunDir, where: PolicyLocation) -> Path:
+    """A PPO checkpoint's trained weights as an adapter folder (`merged/.checkpoint-adapter`),
+    through the loader `rlhf audit` uses on checkpoints."""
+    policy = load_policy(where, recipe.model, torch.device("cpu"))
+    folder = run.stage_dir("merged") / ".checkpoint-adapter"
+    shutil.rmtree(folder, ignore_errors=True)
+    save_trained(policy.model, folder)
+    return folder
+
+
+def run_merge(
+    recipe: Recipe,
+    console: Console,
+    stage: Literal["ppo", "sft"] = "ppo",
+    checkpoint: str = "last",
+) -> Manifest:
+    """Merge the PPO (or SFT) adapter, the final one or a checkpoint's (`best`, `iter_N`);
+    write `runs/<name>/merged/`; return its manifest."""
     from peft import PeftModel
 
     run = RunDir.for_recipe(recipe)
-    adapter, base, sft_adapter, tok_source, inputs = _adapter_location(recipe, run, stage)
+    adapter, base, sft_adapter, tok_source, inputs = _adapter_location(
+        recipe, run, stage, checkpoint
+    )
     device = pick_device("cpu" if recipe.merge.device == "cpu" else recipe.run.device)
     dtype = resolve_dtype(recipe.merge.dtype, device)
     model_cfg = merge_model_config(recipe, load_dtype(base, dtype))
@@ -164,6 +195,8 @@ def run_merge(recipe: Recipe, console: Console, stage: Literal["ppo", "sft"] = "
         merged.save_pretrained(out, max_shard_size="2GB")
         tokenizer.save_pretrained(out)
         record.manifest["outputs"] = {"model": "model", "tokenizer": "model"}
-        record.manifest["merged_from"] = {"stage": stage, "adapter": str(adapter), "base": base}
+        record.manifest["merged_from"] = {
+            "stage": stage, "adapter": str(adapter), "base": base, "checkpoint": checkpoint,
+        }  # fmt: skip
     console.print(f"merged {stage} adapter → {Path(out)} (max |Δlogit| {diff:.2e})")
     return record.manifest

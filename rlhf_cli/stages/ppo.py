@@ -41,7 +41,13 @@ from rlhf_cli.ppo.run import Hooks, Models, PPORun
 from rlhf_cli.ppo.sharding import build_accelerator, engine_for
 from rlhf_cli.recipe import PpoSection, Recipe
 from rlhf_cli.record import StageRecord
-from rlhf_cli.resume import PPO_CHECKPOINT, check_same_inputs, ppo_checkpoint_problem, resume_point
+from rlhf_cli.resume import (
+    BEST_CHECKPOINT,
+    PPO_CHECKPOINT,
+    check_same_inputs,
+    ppo_checkpoint_problem,
+    resume_point,
+)
 from rlhf_cli.rundir import InputRecord, Manifest, RunDir
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import seed_everything, start_or_resume
@@ -108,6 +114,8 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> Manifest:
                 **summarize(ppo.logs.history),
                 "kl_coef_now": ppo.state.kl_ctl.value,
             }
+            record.manifest["best"] = ppo.best  # `rlhf merge --checkpoint best`
+            record.manifest["rollbacks"] = ppo.rollbacks
             record.save()
         models = ppo.models
         with models.engine.gathered(models.actor) as actor:  # the final weights, whole, once
@@ -200,8 +208,23 @@ def setup(
         queries=queries,
         stage_dir=stage_dir,
         inputs=record.manifest["inputs"],
+        **watch_from(checkpoint[0] if start else None),
     )
     return ppo, start
+
+
+def watch_from(folder: Path | None) -> dict[str, Any]:
+    """What a resume takes over from checkpoint `folder` besides the training state: the
+    rollbacks made so far (`audit.max_rollbacks` counts across it) and the best evaluated
+    checkpoint when it is not newer than `folder`."""
+    if folder is None:
+        return {}
+    saved = checkpoint_state(folder)
+    watch: dict[str, Any] = {"rollbacks": saved.get("rollbacks") or []}
+    best = folder.parent / BEST_CHECKPOINT
+    if best.is_file() and json.loads(best.read_text())["iteration"] <= saved["iteration"]:
+        watch["best"] = json.loads(best.read_text())
+    return watch
 
 
 Prompts = tuple[list[str], list[list[int]]]  # texts and their token ids

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rlhf_cli.ppo.run import heldout_eval, live_audit
+from rlhf_cli.ppo.run import heldout_eval, live_audit, react_to_hacking
 
 REPORT = {
     "hacking_detected": False,
@@ -53,7 +53,7 @@ def fake_run(seen: dict[str, Any], report: dict[str, Any] = REPORT) -> Any:
         return {"eval/reward_mean": 1.0}
 
     recipe = SimpleNamespace(
-        audit=SimpleNamespace(every=2, kl_coef_step=0.05),
+        audit=SimpleNamespace(every=2, kl_coef_step=0.05, on_hacking="raise_beta"),
         ppo=SimpleNamespace(iterations=4, eval_every=None),
     )
     return SimpleNamespace(
@@ -72,7 +72,7 @@ def fake_run(seen: dict[str, Any], report: dict[str, Any] = REPORT) -> Any:
 def test_live_audit_and_heldout_eval_sample_under_autocast(hook: str) -> None:
     seen: dict[str, bool] = {}
     run = fake_run(seen)
-    metrics = live_audit(run, 2) if hook == "audit" else heldout_eval(run, 4)
+    metrics = live_audit(run, 2)[0] if hook == "audit" else heldout_eval(run, 4)
     assert metrics and seen == {hook: True}
 
 
@@ -84,15 +84,20 @@ def test_only_the_guides_flags_raise_beta(flags: list[str], raised: bool) -> Non
     """A length collapse is flagged and logged, but a larger β would shorten answers further."""
     seen: dict[str, Any] = {}
     report = {**REPORT, "flags": flags, "hacking_detected": True, "length_ratio": 0.25}
-    metrics = live_audit(fake_run(seen, report), 2)
+    run = fake_run(seen, report)
+    metrics, guide_flags = live_audit(run, 2)
     assert metrics["audit/hacking_detected"] == 1.0 and metrics["audit/length_ratio"] == 0.25
+    assert seen.pop("warned") == f"iteration 2: the audit flagged {', '.join(flags)}"
+    assert react_to_hacking(run, 2, guide_flags) == {}
     assert ("raised" in seen) is raised
-    assert seen["warned"].startswith(f"iteration 2: the audit flagged {', '.join(flags)}; ")
-    assert seen["warned"].endswith("β raised to 0.1000" if raised else "β left as it was")
+    if raised:
+        assert seen["warned"] == f"iteration 2: β raised to 0.1000 ({', '.join(guide_flags)})"
 
 
 def test_a_clean_audit_raises_nothing_and_warns_nothing() -> None:
     seen: dict[str, Any] = {}
-    metrics = live_audit(fake_run(seen), 2)
+    run = fake_run(seen)
+    metrics, flags = live_audit(run, 2)
     assert metrics["audit/hacking_detected"] == 0.0 and "audit/length_ratio" not in metrics
+    assert flags == [] and react_to_hacking(run, 2, flags) == {}
     assert "raised" not in seen and "warned" not in seen
