@@ -227,3 +227,10 @@ def test_the_estimator_names_are_declared_once():
                 items = node.keys if isinstance(node, ast.Dict) else node.elts
                 spelled = {i.value for i in items if isinstance(i, ast.Constant)} & names
                 assert len(spelled) < 2, f"{module}:{node.lineno} lists estimators {spelled}"
+
+
+def test_test_modules_have_unique_names():
+    """pytest imports test files by basename (no packages under tests/): two files of one name
+    in two folders stop the whole collection."""
+    names = [p.name for p in (PACKAGE.parent / "tests").rglob("test_*.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
