@@ -566,7 +566,8 @@ def serve(
         float, typer.Option("--start-timeout", min=1.0, help="Seconds to wait for it to answer.")
     ] = 600.0,
     print_command: Annotated[
-        bool, typer.Option("--print-command", help="Print the command; start nothing.")
+        bool,
+        typer.Option("--print-command", metavar=FLAG, help="Print the command; start nothing."),
     ] = False,
     as_json: JsonOpt = False,
     runs_dir: RunsOpt = Path("runs"),
