@@ -205,6 +205,7 @@ class StageRecord:
         self._lock: Path | None = None
         self._before: dict[str, Any] = {}
         self._replacing = False
+        self._tensors: Any = None
         self.manifest: Manifest = {
             "stage": stage,
             "status": "running",
@@ -254,6 +255,7 @@ class StageRecord:
             self.run.prepare(self.recipe)
             self.dir.mkdir(parents=True, exist_ok=True)
         reset_peak_memory()
+        self._tensors = count_tensor_bytes(self.recipe, self.stage)
         self.save()
         return self
 
@@ -270,7 +272,14 @@ class StageRecord:
         except Exception as error:  # noqa: BLE001 - any failure of an estimate, as above
             self.warn(f"no planned peak memory: {type(error).__name__}: {error}")
             planned = None
-        return {**measured_peak(), "planned_peak_bytes": planned}
+        measured = measured_peak()
+        if self._tensors is not None:  # like beside like: the RSS keeps a row of its own
+            measured = {
+                "peak_memory_bytes": self._tensors.peak,
+                "peak_memory_kind": "cpu_tensors",
+                "peak_memory_rss_bytes": measured["peak_memory_bytes"],
+            }
+        return {**measured, "planned_peak_bytes": planned}
 
     def __exit__(
         self,
@@ -278,6 +287,10 @@ class StageRecord:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._tensors is not None:
+            from rlhf_cli.tensor_peak import close_window
+
+            close_window()
         self.manifest["metrics"] = {**self.manifest["metrics"], **self._memory()}
         if exc_type is None:
             self.manifest["status"] = "completed"
@@ -340,6 +353,24 @@ def reset_peak_memory() -> None:
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats()
+
+
+def count_tensor_bytes(recipe: Recipe, stage: str) -> Any:
+    """A stage the plan sizes, on the CPU, in one process, with no vLLM engine in it: the
+    live-tensor counter (`tensor_peak`, counting from now), whose peak is what the plan models;
+    else None (CUDA counts its own; a vLLM engine's ops and the shards of several processes are
+    not counted, so those runs keep the RSS alone)."""
+    import torch
+
+    if stage not in PLANNED or torch.cuda.is_available():
+        return None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return None
+    if "vllm" in (recipe.ppo.generation.backend, recipe.audit.generation.backend):
+        return None
+    from rlhf_cli.tensor_peak import open_window
+
+    return open_window()
 
 
 def measured_peak() -> dict[str, Any]:

@@ -27,8 +27,9 @@ def fmt_gib(size: int, unit: bool = True) -> str:
 
 def memory_cell(metrics: dict[str, Any]) -> str:
     """The measured peak beside the plan's estimate when they measure the same thing (CUDA's
-    allocated bytes against the plan's tensor bytes); on the CPU the process's peak RSS
-    (runtime and libraries included) and the plan's tensor bytes, each named for what it is."""
+    allocated bytes, or on the CPU the bytes of live tensors, against the plan's tensor bytes);
+    where only the CPU's peak RSS was measured (runtime and libraries included: a vLLM engine
+    in the process, several processes), each named for what it is."""
     measured, planned = metrics.get("peak_memory_bytes"), metrics.get("planned_peak_bytes")
     if measured is None:
         return ""
@@ -50,6 +51,8 @@ def stage_summary(manifest: dict[str, Any], title: str, out: Console) -> None:
     if "peak_memory_bytes" in metrics:
         cpu = metrics.get("peak_memory_kind") == "cpu_rss"
         table.add_row("peak memory" + ("" if cpu else " / plan"), memory_cell(metrics))
+    if "peak_memory_rss_bytes" in metrics:
+        table.add_row("peak RSS (process)", fmt_gib(metrics["peak_memory_rss_bytes"]))
     for warning in manifest.get("warnings", []):
         table.add_row("[yellow]warning[/]", warning)
     out.print(table)

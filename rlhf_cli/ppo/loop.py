@@ -44,6 +44,7 @@ from rlhf_cli.ppo.run import (
 from rlhf_cli.recipe import PpoSection
 from rlhf_cli.resume import PPO_CHECKPOINT, checkpoint_folders
 from rlhf_cli.stopping import graceful_stop
+from rlhf_cli.tensor_peak import WINDOW_STEPS, close_window
 from rlhf_cli.tracking import make_progress
 
 
@@ -79,6 +80,8 @@ def train(run: PPORun, start_iteration: int = 0) -> dict[str, Any]:
             finally:  # `audit.on_hacking: stop` raises, its iteration logged first
                 _log(run, iteration, metrics, rollout, kl)
             progress.update(task, completed=iteration, info=progress_info(metrics))
+            if iteration - start_iteration == WINDOW_STEPS:
+                close_window()  # the steady state's peak is counted (record.py)
             if nonfinite_streak >= cfg.max_nonfinite:
                 checkpoint(run, iteration)
                 raise NonFiniteError(

@@ -20,7 +20,12 @@ KEY_METRICS = {
     "push": ("files",),
 }
 # every stage's measured peak beside the plan's estimate (record.StageRecord writes them)
-MEMORY_METRICS = ("peak_memory_bytes", "peak_memory_kind", "planned_peak_bytes")
+MEMORY_METRICS = (
+    "peak_memory_bytes",
+    "peak_memory_kind",
+    "peak_memory_rss_bytes",
+    "planned_peak_bytes",
+)
 PIPELINE = tuple(STAGE_COMMANDS)  # the stages in pipeline order
 
 

@@ -17,6 +17,7 @@ from rlhf_cli.errors import checkpoint_mismatch, is_shape_error
 from rlhf_cli.record import StageRecord
 from rlhf_cli.stages.common import start_or_resume
 from rlhf_cli.stopping import StopRequest, graceful_stop
+from rlhf_cli.tensor_peak import WINDOW_STEPS, close_window
 from rlhf_cli.tracking import (
     MetricsWriter,
     Trackers,
@@ -96,6 +97,7 @@ class StageCallback(TrainerCallback):
         self.writer: MetricsWriter | None = None
         self.flag = StopRequest()
         self.began = self.stopping = self.closed = False
+        self.steps = 0  # optimiser steps taken by this process
         self.progress = make_progress(console)
         self.task: Any = None
 
@@ -106,6 +108,9 @@ class StageCallback(TrainerCallback):
             self.task = self.progress.add_task(self.description, total=state.max_steps, info="")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.steps += 1
+        if self.steps == WINDOW_STEPS:
+            close_window()  # the steady state's peak is counted (record.py)
         if self.task is not None:
             self.progress.update(self.task, completed=state.global_step)
         if state.global_step >= state.max_steps:

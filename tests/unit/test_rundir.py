@@ -140,7 +140,12 @@ def test_completed_manifest_has_every_field(run: RunDir, recipe: Recipe) -> None
     assert manifest["stage"] == "sft" and manifest["status"] == "completed"
     assert manifest["recipe_sha256"] == recipe.sha256()
     assert manifest["outputs"] == {"adapter": "adapter"}
-    memory = {"peak_memory_bytes", "peak_memory_kind", "planned_peak_bytes"}
+    memory = {
+        "peak_memory_bytes",
+        "peak_memory_kind",
+        "peak_memory_rss_bytes",
+        "planned_peak_bytes",
+    }
     assert (
         manifest["metrics"]["eval_loss"] == 1.5
         and set(manifest["metrics"]) == {"eval_loss"} | memory
