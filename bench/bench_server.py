@@ -64,13 +64,15 @@ def serve(recipe: Path, port: int, cores: str, log: Path) -> subprocess.Popen:
     for line in process.stdout:  # type: ignore[union-attr]
         if line.startswith("rlhf ppo --set"):
             return process
-    raise RuntimeError(f"rlhf serve exited; see {log}")
+    process.wait()
+    tail = "\n".join(log.read_text().splitlines()[-30:])
+    raise RuntimeError(f"rlhf serve exited ({process.returncode}):\n{tail}")
 
 
 def run(name: str, base: Path, work: Path, port: int) -> dict:
     config = CONFIGS[name]
     data = yaml.safe_load(base.read_text())
-    data["run"]["name"] = f"bench-server-{name}"
+    data["run"]["name"] = f"bench-server-{name}".replace("+", "and")  # run names: [A-Za-z0-9._-]
     generation = {**config["generation"]}
     if config["server"]:
         generation.update(backend="vllm_server", server={"urls": [f"http://127.0.0.1:{port}"]})

@@ -7,7 +7,7 @@
 # Each result holds `rlhf plan`'s estimate beside the measured peak (planned_peak_gib,
 # measured_peak_gib: max_memory_allocated, plan_gap) for PPO and the bf16 / fp16 merges.
 # Usage (device tool): bash bench/gpu_check.sh
-#   → $OUT/gpu_check_{qwen,qwen_vllm,qwen_server_async0,qwen_server_async1,paths,mistral,zero3}.json
+#   → $OUT/gpu_check_{qwen,qwen_vllm,qwen_server_async0,qwen_server_async1,qwen_server_nccl,paths,mistral,zero3}.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
@@ -43,6 +43,21 @@ if .venv-gpu/bin/python -c "import vllm" 2>/dev/null; then
     done
   else
     echo "rlhf serve did not answer:"; tail -5 "$work/serve.out"
+  fi
+  kill -TERM "$serve_pid" 2>/dev/null; wait "$serve_pid" || true
+  # full weights (no LoRA) sent GPU to GPU over vLLM's NCCL weight transfer (rlhf serve adds
+  # --weight-transfer-config for a full-weight recipe on CUDA): the sync's time and the mismatch
+  full=(--set model.lora.enabled=false --set ppo.generation.server.sync=weights
+        --set 'ppo.generation.server.urls=["http://127.0.0.1:8101"]')
+  .venv-gpu/bin/rlhf serve --recipe "$server_recipe" "${full[@]}" --port 8101 \
+    --gpu-memory-utilization 0.3 > "$work/serve-nccl.out" 2>&1 &
+  serve_pid=$!
+  if timeout 240 bash -c "until grep -q 'rlhf ppo --set' '$work/serve-nccl.out'; do sleep 2; done"; then
+    timeout 200 .venv-gpu/bin/rlhf ppo --recipe "$server_recipe" "${full[@]}" --json --quiet \
+      --set run.name=gpu-server-nccl --set ppo.generation.server.weight_transfer=nccl \
+      > "$out/gpu_check_qwen_server_nccl.json" || echo "the NCCL weight-transfer run failed"
+  else
+    echo "rlhf serve (full weights) did not answer:"; tail -5 "$work/serve-nccl.out"
   fi
   kill -TERM "$serve_pid" 2>/dev/null; wait "$serve_pid" || true
 fi

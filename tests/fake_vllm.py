@@ -5,7 +5,11 @@ real server is tested in `make test-vllm` (tests/stages/test_vllm_server.py).
 
 Routes: `GET /v1/models`, `POST /v1/completions` (token-id prompt, one row per request),
 `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/collective_rpc` (`reload_weights` from a
-folder), `/reset_prefix_cache`, `/update_weight_version`, `GET /weight_info`. Knobs: `fail`
+folder), `/reset_prefix_cache`, `/update_weight_version`, `GET /weight_info`, and the control
+plane of vLLM's weight transfer (`GET /get_world_size`, `/init_weight_transfer_engine`,
+`/start_weight_update`, `/update_weights`, `/finish_weight_update`,
+`/shutdown_weight_transfer_engine`: recorded in `transfer`; the tensors themselves are the
+test's to deliver). Knobs: `fail`
 (HTTP statuses to answer the next requests with; 0 drops the connection), `delay_s`,
 `answer_as` (another model name in every answer), `die_after` (completions answered before
 every later one drops its connection), `requests` (what was asked)."""
@@ -25,6 +29,11 @@ from transformers import AutoModelForCausalLM
 from rlhf_cli.generation import HFGenerator
 from rlhf_cli.recipe import GenerationSection
 
+TRANSFER_ROUTES = (
+    "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+    "/finish_weight_update", "/shutdown_weight_transfer_engine",
+)  # fmt: skip
+
 
 class FakeVLLM:
     def __init__(self, model_dir: str, tokenizer: Any, max_model_len: int = 512) -> None:
@@ -34,6 +43,8 @@ class FakeVLLM:
         self.base = self._load(model_dir)
         self.adapters: dict[str, Any] = {}
         self.version: str | None = None
+        self.transfer: list[tuple[str, Any]] = []  # the weight-transfer steps, in order
+        self.transfer_open = False
         self.requests: list[tuple[str, Any]] = []
         self.fail: list[int] = []
         self.delay_s = 0.0
@@ -91,6 +102,14 @@ class FakeVLLM:
             return 200, {"success": True}
         if path == "/weight_info":
             return 200, {"weight_version": self.version}
+        if path == "/get_world_size":
+            return 200, {"world_size": 1}
+        if path == "/shutdown_weight_transfer_engine" and not self.transfer_open:
+            return 400, {"error": "no weight transfer engine"}
+        if path in TRANSFER_ROUTES:
+            self.transfer.append((path, body))
+            self.transfer_open = path != "/shutdown_weight_transfer_engine"
+            return 200, {"message": "ok"}
         return 404, {"error": f"no route {path}"}
 
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:

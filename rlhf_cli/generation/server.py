@@ -8,7 +8,9 @@ our own: `rlhf serve` starts vLLM's server; this module is its client.
 - `sync` sends the policy after every update under a new, never reused name: `lora` writes the
   adapter into `server.shared_dir` and loads it (`/v1/load_lora_adapter`, runtime LoRA
   loading), every request naming it; `weights` writes the merged weights there and reloads them
-  in place (`/collective_rpc reload_weights`, then `/update_weight_version`; vLLM's dev
+  in place (`/collective_rpc reload_weights`), or with `server.weight_transfer: nccl` sends
+  them GPU to GPU over vLLM's NCCL weight-transfer engine (the server started with
+  `--weight-transfer-config '{"backend": "nccl"}'`); then `/update_weight_version` (vLLM's dev
   endpoints, `VLLM_SERVER_DEV_MODE=1`), checking `/weight_info` before and after each batch. An
   answer that names another model or version than the one asked is refused: a batch never
   mixes versions.
@@ -22,6 +24,7 @@ our own: `rlhf serve` starts vLLM's server; this module is its client.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -44,6 +47,13 @@ from rlhf_cli.generation.core import (
     response_logprobs,
 )
 from rlhf_cli.generation.vllm import adapter_in_use, merged_weights
+from rlhf_cli.generation.weight_transfer import (
+    PolicyWeights,
+    SyncClient,
+    has_vllm,
+    open_nccl_transfer,
+    weight_transfer,
+)
 from rlhf_cli.recipe import GenerationSection, ServerSection
 
 START_TIMEOUT_S = 10.0  # the model-list call at start: a server that is up answers at once
@@ -97,8 +107,22 @@ def served_models(url: str, timeout: float = START_TIMEOUT_S) -> list[dict[str, 
 
 
 def check_servers(server: ServerSection, section: str) -> None:
-    """Every server answers its model list (one line naming the first that does not, exit 2):
-    checked before any model loads."""
+    """Every server answers its model list (one line naming the first that does not, exit 2),
+    and an explicit `weight_transfer: nccl` has what it needs: checked before any model
+    loads."""
+    if server.weight_transfer == "nccl":
+        missing = (
+            "CUDA" if not torch.cuda.is_available()
+            else "the vllm package in the trainer's environment" if not has_vllm()
+            else "one training process (each would open its own group to the servers)"
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1
+            else None
+        )  # fmt: skip
+        if missing:
+            raise ModelLoadError(
+                f"{section}.server.weight_transfer: nccl needs {missing}; use `disk` (the "
+                "weights through server.shared_dir)"
+            )
     for url in server.urls:
         try:
             served_models(url)
@@ -118,6 +142,7 @@ class ServerGenerator:
     device: torch.device  # where the returned tensors go (the policy's)
     server: ServerSection
     mode: Literal["lora", "weights"]
+    transfer: Literal["disk", "nccl"]  # how `weights` travel: the shared folder, or NCCL
     shared_dir: Path  # written here, read by every server
     bases: dict[str, str]  # url -> the base model's name on that server
     max_len: int  # prompt and answer together
@@ -129,6 +154,7 @@ class ServerGenerator:
     _in_flight: int = 0  # calls asked for (pinned) and not yet answered or released
     _pins: dict[str | None, int] = field(default_factory=dict)  # the models they name
     _loaded: list[str] = field(default_factory=list)  # adapters / weight folders, oldest first
+    _nccl: dict[str, Any] = field(default_factory=dict)  # url -> vLLM's trainer-side engine
 
     # ── sync ────────────────────────────────────────────────────────────────────────────────
 
@@ -172,10 +198,12 @@ class ServerGenerator:
 
     def _send_weights(self, model: Any) -> None:
         name = self._next_name()
-        folder = self.shared_dir / name
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        weights = {key: value.detach().cpu().contiguous() for key, value in merged_weights(model)}
-        base.save_pretrained(folder, state_dict=weights)
+        if self.transfer == "disk":
+            folder = self.shared_dir / name
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            merged = merged_weights(model)
+            weights = {key: value.detach().cpu().contiguous() for key, value in merged}
+            base.save_pretrained(folder, state_dict=weights)
         with self._busy:  # reloading in place under a batch would mix two versions in it
             if not self._busy.wait_for(lambda: self._in_flight == 0, self.server.timeout_s):
                 raise GenerationServerLost(
@@ -183,14 +211,40 @@ class ServerGenerator:
                     f"({self.server.timeout_s:g} s), so the weights could not be reloaded"
                 )
             for url in self.server.urls:
-                rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
-                self._post(url, "/collective_rpc", rpc)
+                if self.transfer == "nccl":
+                    engine = self._nccl_engine(url, model)
+                    engine.source.model = model  # the weights as they are now (gathered)
+                    engine.send_weights()  # start, update (beside the broadcast), finish
+                else:
+                    rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+                    self._post(url, "/collective_rpc", rpc)
                 self._post(url, "/reset_prefix_cache", {})
                 self._post(url, "/update_weight_version", {"new_version": name})
                 self._check_version(url, name)
             self.weights = name
-        self._loaded.append(name)
-        self._drop_old(keep=1)
+        if self.transfer == "disk":
+            self._loaded.append(name)
+            self._drop_old(keep=1)
+
+    def _nccl_engine(self, url: str, model: Any) -> Any:
+        """The NCCL group to the server at `url` (opened at the first sync: this process is
+        rank 0, the server's workers the rest); a group a stopped trainer left is shut first."""
+        if url not in self._nccl:
+            try:
+                self._post(url, "/shutdown_weight_transfer_engine", {}, tries=1)
+            except GenerationServerLost:
+                pass  # none was open
+            try:
+                workers = int(self._get(url, "/get_world_size")["world_size"])
+                client = SyncClient(lambda path, body: self._post(url, path, body, tries=1))
+                self._nccl[url] = open_nccl_transfer(url, client, PolicyWeights(model), workers)
+            except GenerationServerLost as exc:
+                raise ModelLoadError(
+                    f"the server at {url} opened no NCCL weight transfer ({exc}): start it with "
+                    '`rlhf serve` (it adds --weight-transfer-config \'{"backend": "nccl"}\' '
+                    "on GPUs) or set server.weight_transfer: disk"
+                ) from None
+        return self._nccl[url]
 
     def _check_version(self, url: str, expected: str | None) -> None:
         held = self._get(url, "/weight_info").get("weight_version")
@@ -408,8 +462,9 @@ def server_generator(
         if stale.name not in in_use:
             shutil.rmtree(stale, ignore_errors=True)
     device = next(model.parameters()).device
+    transfer = weight_transfer(server) if mode == "weights" else "disk"
     generator = ServerGenerator(
-        tokenizer, stop_ids, device, server, mode, shared_dir, bases, max_len
+        tokenizer, stop_ids, device, server, mode, transfer, shared_dir, bases, max_len
     )
     generator.verify(model)
     return generator

@@ -58,6 +58,14 @@ class ServerSection(Section):
         "`weights` writes the merged weights there and reloads them in place (vLLM's dev "
         "endpoints); `auto`: `lora` for a LoRA policy, else `weights`.",
     )
+    weight_transfer: Literal["auto", "disk", "nccl"] = described(
+        "auto",
+        "How `sync: weights` moves the weights: `disk` writes them into `shared_dir` and the "
+        "servers reload them; `nccl` sends them GPU to GPU over vLLM's NCCL weight-transfer "
+        "engine (one trainer process on CUDA with the vllm package; servers started with "
+        "`--weight-transfer-config`, as `rlhf serve` does on GPUs); `auto`: `nccl` where the "
+        "trainer has what it needs, else `disk`.",
+    )
     shared_dir: str | None = described(
         None,
         "A folder the trainer writes and every server reads (the same path on both sides: a "

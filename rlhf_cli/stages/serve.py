@@ -101,6 +101,11 @@ def serve_command(
             "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
             "--tensor-parallel-size", str(gen.vllm.tensor_parallel_size),
         ]  # fmt: skip
+        weights = gen.server.sync == "weights" or (
+            gen.server.sync == "auto" and not recipe.model.lora.enabled
+        )
+        if weights and gen.server.weight_transfer != "disk":  # the trainer may send over NCCL
+            command += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     else:
         command += ["--enforce-eager", "--compilation-config", '{"mode": 0}']
     env = {

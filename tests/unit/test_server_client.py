@@ -7,7 +7,11 @@ wrong models, unknown versions, timeouts and dead servers fail loudly, after bou
 from __future__ import annotations
 
 import socket
+import sys
+import types
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -15,6 +19,8 @@ from fake_vllm import FakeVLLM
 
 from rlhf_cli.errors import GenerationServerLost, ModelLoadError
 from rlhf_cli.generation import HFGenerator, generator_for, require_engine
+from rlhf_cli.generation.vllm import merged_weights
+from rlhf_cli.generation.weight_transfer import weight_transfer
 from rlhf_cli.modeling import load_tokenizer, resolve_model_path
 from rlhf_cli.recipe import GenerationSection, ServerSection
 
@@ -229,3 +235,104 @@ def test_weights_sync_reloads_the_merged_weights_under_a_version(tiny, fake, tmp
     fake.version = "rlhf-another-run-v9"  # another trainer synced to the same server
     with pytest.raises(GenerationServerLost, match="another trainer is syncing to it"):
         client.generate(queries, GEN, seeds)
+
+
+class _Meta(NamedTuple):  # vLLM's ParamMeta
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _fake_nccl_vllm(monkeypatch, server: FakeVLLM) -> list[Any]:
+    """vLLM's trainer-side NCCL engine in miniature, installed as the `vllm` modules the client
+    imports: it drives the control plane as vLLM 0.32's `NCCLTrainerWeightTransferEngine` does
+    (init beside the rendezvous; each round start, update beside the broadcast, finish) and
+    delivers the tensors itself (the broadcast, on a machine without CUDA). Returns the init
+    infos it was given."""
+    inits: list[Any] = []
+
+    @dataclass
+    class InitInfo:
+        master_address: str
+        master_port: int
+        world_size: int
+        rank: int
+
+    class Engine:
+        def __init__(self, client: Any, source: Any) -> None:
+            self.client, self.source = client, source
+
+        @classmethod
+        def trainer_init(cls, info: InitInfo, *, client: Any, source: Any) -> Engine:
+            inits.append(info)
+            client.init_weight_transfer_engine(
+                {"master_address": info.master_address, "master_port": info.master_port,
+                 "rank_offset": 1, "world_size": info.world_size}
+            )  # fmt: skip
+            return cls(client, source)
+
+        def send_weights(self) -> None:
+            meta = self.source.metadata()
+            self.client.start_weight_update()
+            self.client.update_weights(
+                {"names": [m.name for m in meta], "shapes": [list(m.shape) for m in meta],
+                 "dtype_names": [str(m.dtype).split(".")[-1] for m in meta]}
+            )  # fmt: skip
+            sent = dict(iter(self.source))
+            assert list(sent) == [m.name for m in meta]  # both channels agree, in order
+            server.base.load_state_dict(sent, strict=False)  # the broadcast
+            self.client.finish_weight_update()
+
+    modules = {name: types.ModuleType(name) for name in (
+        "vllm", "vllm.distributed", "vllm.distributed.weight_transfer",
+        "vllm.distributed.weight_transfer.base", "vllm.distributed.weight_transfer.nccl_engine",
+    )}  # fmt: skip
+    modules["vllm.distributed.weight_transfer.base"].ParamMeta = _Meta
+    engine = modules["vllm.distributed.weight_transfer.nccl_engine"]
+    engine.NCCLTrainerInitInfo, engine.NCCLTrainerWeightTransferEngine = InitInfo, Engine
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return inits
+
+
+def test_nccl_weight_transfer_drives_vllms_handshake_then_versions_the_weights(
+    tiny, fake, tmp_path, monkeypatch
+):
+    """`weight_transfer: nccl`: a group opened once (the server's workers + this process as
+    rank 0, on the address the server reaches), any group a stopped trainer left shut first;
+    every sync start → update (the merged weights' names, shapes, dtypes) → finish, then the
+    new version checked; nothing written to the shared folder; answers as the policy's."""
+    folder, tokenizer = tiny
+    inits = _fake_nccl_vllm(monkeypatch, fake)
+    policy = _lora_policy(folder)  # its adapter changes the answers: the base must not do
+    gen = _gen([fake.url], sync="weights", weight_transfer="nccl")
+    client = _client(policy, tokenizer, gen, tmp_path)
+    assert (client.mode, client.transfer) == ("weights", "nccl")
+    (info,) = inits
+    assert (info.world_size, info.rank, info.master_address) == (2, 0, "127.0.0.1")
+    steps = [path for path, _ in fake.transfer]
+    assert steps == ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                     "/finish_weight_update"]  # fmt: skip
+    update = fake.transfer[2][1]["update_info"]
+    merged = dict(merged_weights(policy))
+    assert update["names"] == list(merged) and not any("lora" in n for n in update["names"])
+    assert update["shapes"][0] == list(next(iter(merged.values())).shape)
+    queries, seeds = _queries(tokenizer), [3, 4, 5, 6]
+    local = HFGenerator(policy, tokenizer, client.stop_ids).generate(queries, GEN, seeds)
+    assert torch.equal(client.generate(queries, GEN, seeds).response_ids, local.response_ids)
+    before = client.weights
+    client.sync(policy)
+    assert client.weights != before and fake.version == client.weights
+    assert [p for p, _ in fake.transfer][4:] == steps[1:]  # no second init
+    assert not any((tmp_path / ".server-sync").glob("rlhf-*"))  # no weights on disk
+
+
+def test_nccl_weight_transfer_is_refused_before_loading_where_it_cannot_run(fake, monkeypatch):
+    """An explicit `nccl` without CUDA (this machine) is one line naming the field; `auto`
+    picks the shared folder here."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(
+        ModelLoadError, match=r"ppo.generation.server.weight_transfer: nccl needs CUDA"
+    ):
+        require_engine(_gen([fake.url], weight_transfer="nccl"))
+    assert weight_transfer(ServerSection(urls=[fake.url])) == "disk"
