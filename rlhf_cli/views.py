@@ -56,6 +56,43 @@ def stage_summary(manifest: dict[str, Any], title: str, out: Console) -> None:
     for warning in manifest.get("warnings", []):
         table.add_row("[yellow]warning[/]", warning)
     out.print(table)
+    if "eval/judge_reward_mean" in metrics:
+        judge_summary(manifest, out)
+
+
+JUDGE_ROWS = (  # the last held-out evaluation's judge numbers (`audit.judge`), then the proxy's
+    ("Judge reward, policy", "eval/judge_reward_mean", "{:+.4f}"),
+    ("Judge reward, SFT policy", "eval/judge_reward_reference_mean", "{:+.4f}"),
+    ("Judge win rate against SFT", "eval/judge_win_rate", "{:.0%}"),
+    ("Judge gain (σ of its SFT scores)", "eval/judge_reward_gain", "{:+.3f}"),
+    ("Proxy gain (σ of its SFT scores)", "eval/reward_gain", "{:+.3f}"),
+    ("Proxy − judge gain", "eval/proxy_judge_gap", "{:+.3f}"),
+)
+
+
+def judge_summary(manifest: dict[str, Any], out: Console) -> None:
+    """PPO's judge (`audit.judge`) at its last held-out evaluation beside the proxy, whether
+    that evaluation flagged over-optimisation, the rollbacks made and the best checkpoint."""
+    metrics = manifest["metrics"]
+    table = Table(title="judge · last held-out evaluation", show_header=False, title_justify="left")
+    for label, key, form in JUDGE_ROWS:
+        if key in metrics:
+            table.add_row(label, form.format(metrics[key]))
+    if "audit/overoptimization" in metrics:
+        flagged = metrics["audit/overoptimization"]
+        table.add_row("Overoptimization", "[red]⚠ flagged[/]" if flagged else "[green]✓ none[/]")
+    rollbacks = manifest.get("rollbacks") or []
+    if rollbacks:
+        back = ", ".join(f"{r['iteration']} → {r['restored']}" for r in rollbacks)
+        table.add_row("Rollbacks (iteration → restored)", back)
+    best = manifest.get("best")
+    if best:
+        table.add_row(
+            "Best checkpoint",
+            f"{best['checkpoint']} ({best['metric']} {best['value']:+.4f}): "
+            "`rlhf merge --checkpoint best`",
+        )
+    out.print(table)
 
 
 def plan_report(result: dict[str, Any], out: Console) -> None:
