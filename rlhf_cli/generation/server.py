@@ -382,18 +382,10 @@ class ServerGenerator:
     def verify(self, model: Any) -> None:
         """Refuse servers that serve another model than `model`: sync it, sample a probe
         (temperature 1, no truncation) and compare the server's log-probs of the drawn tokens
-        with the local forward's (mean gap at most PROBE_BOUND nats); every server also holds
-        prompts and answers of `max_len` tokens."""
+        with the local forward's (mean gap at most PROBE_BOUND nats)."""
         self.sync(model)
         ids = self.tokenizer(PROBE_TEXT, add_special_tokens=True)["input_ids"]
         for url in self.server.urls:
-            listed = served_models(url, self.server.timeout_s)
-            longest = max(int(m.get("max_model_len") or 0) for m in listed)
-            if 0 < longest < self.max_len:
-                raise ModelLoadError(
-                    f"the server at {url} holds {longest} tokens (--max-model-len); prompts and "
-                    f"answers need {self.max_len}: restart it with `rlhf serve`"
-                )
             answers = self._generate([ids], PROBE, [0], [url], self.model, self.weights)
             query_ids, query_mask = left_pad([ids], self.tokenizer.pad_token_id, self.device)
             width = answers.response_ids.shape[1]
@@ -404,12 +396,11 @@ class ServerGenerator:
             keep = answers.response_mask.to(self.device)
             gap = float((ours - answers.sampler_logprobs.to(self.device)).abs()[keep].mean())
             if not gap <= PROBE_BOUND:
-                root = listed[0].get("root", listed[0].get("id"))
                 raise ModelLoadError(
                     f"the server at {url} serves another model than this recipe's policy "
-                    f"(it serves {root}; its log-probs differ from the policy's by {gap:.3f} "
-                    f"nats a token, over {PROBE_BOUND}): start it with `rlhf serve` for this "
-                    "recipe"
+                    f"(it serves {self.bases[url]}; its log-probs differ from the policy's by "
+                    f"{gap:.3f} nats a token, over {PROBE_BOUND}): start it with `rlhf serve` "
+                    "for this recipe"
                 )
 
 
@@ -446,7 +437,8 @@ def server_generator(
     shared_dir: Path,
     stop_ids: list[int],
 ) -> ServerGenerator:
-    """The client of `gen.server.urls`, checked against `model` (the policy as it starts)."""
+    """The client of `gen.server.urls`, checked against `model` (the policy as it starts):
+    every server holds prompts and answers of `max_len` tokens, then `verify`."""
     server = gen.server
     mode = server.sync
     if mode == "auto":
@@ -454,6 +446,12 @@ def server_generator(
     bases, in_use = {}, set()
     for url in server.urls:
         listed = served_models(url, server.timeout_s)
+        longest = max(int(m.get("max_model_len") or 0) for m in listed)
+        if 0 < longest < max_len:
+            raise ModelLoadError(
+                f"the server at {url} holds {longest} tokens (--max-model-len); prompts and "
+                f"answers need {max_len}: restart it with `rlhf serve`"
+            )
         base = [m for m in listed if not m.get("parent")] or listed
         bases[url] = base[0]["id"]
         in_use.update(m["id"] for m in listed if m.get("parent"))
