@@ -169,8 +169,13 @@ def named_checkpoint(ppo_dir: Path, name: str) -> Path | None:
         number = name.removeprefix(PPO_CHECKPOINT)
         if not number.isdigit():
             raise StageError(f"--checkpoint must be best, last or iter_N, not '{name}'")
-        folder = root / f"{PPO_CHECKPOINT}{int(number):05d}"
+        folder = root / ppo_checkpoint_name(int(number))
     if not folder.is_dir():
         saved = ", ".join(f.name for f in checkpoint_folders(root, PPO_CHECKPOINT)) or "none"
         raise StageError(f"{folder} does not exist (checkpoints: {saved})")
     return folder
+
+
+def ppo_checkpoint_name(iteration: int) -> str:
+    """The folder name of PPO's checkpoint after `iteration` (`iter_00012`)."""
+    return f"{PPO_CHECKPOINT}{iteration:05d}"

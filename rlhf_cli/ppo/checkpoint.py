@@ -30,7 +30,7 @@ from rlhf_cli.errors import StageError, checkpoint_mismatch, is_shape_error
 from rlhf_cli.modeling import trainable_state
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.sharding import Engine, load_pt
-from rlhf_cli.resume import PPO_INDEX
+from rlhf_cli.resume import PPO_INDEX, ppo_checkpoint_name
 from rlhf_cli.rundir import atomic_write_json, file_sha256
 
 
@@ -83,7 +83,7 @@ def save_checkpoint(
     alone, so the other machines of a multi-machine run need no shared filesystem to write
     it."""
     acc = engine.acc
-    final = root / f"iter_{iteration:05d}"
+    final = root / ppo_checkpoint_name(iteration)
     tmp = root / f".{final.name}.tmp"
     try:
         if acc.is_main_process:

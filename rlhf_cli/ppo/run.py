@@ -19,7 +19,12 @@ from rlhf_cli.ppo.logs import RunLogs
 from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.ppo.sharding import Engine
 from rlhf_cli.recipe import Recipe
-from rlhf_cli.resume import BEST_CHECKPOINT, PPO_CHECKPOINT, checkpoint_folders
+from rlhf_cli.resume import (
+    BEST_CHECKPOINT,
+    PPO_CHECKPOINT,
+    checkpoint_folders,
+    ppo_checkpoint_name,
+)
 from rlhf_cli.rundir import InputRecord, atomic_write_json
 from rlhf_cli.scoring import RewardScorer
 
@@ -78,7 +83,7 @@ def checkpoint(run: PPORun, iteration: int) -> Path:
     except OSError as exc:
         previous = checkpoint_folders(root, PPO_CHECKPOINT)
         raise CheckpointWriteError(
-            f"writing checkpoint iter_{iteration:05d} failed ({exc.strerror or exc}); "
+            f"writing checkpoint {ppo_checkpoint_name(iteration)} failed ({exc.strerror or exc}); "
             f"the previous checkpoint ({previous[-1].name if previous else 'none'}) is intact and "
             f"the manifest records this failure: {write_remedy(exc)}, then `rlhf ppo --resume`"
         ) from None
@@ -185,7 +190,7 @@ def keep_best(run: PPORun, iteration: int, metrics: dict[str, float], saved: boo
     folder = (
         checkpoint(run, iteration)
         if not saved
-        else run.stage_dir / "checkpoints" / (f"{PPO_CHECKPOINT}{iteration:05d}")
+        else run.stage_dir / "checkpoints" / ppo_checkpoint_name(iteration)
     )
     if acc.is_main_process:
         run.best = {"iteration": iteration, "checkpoint": folder.name, "metric": key,
