@@ -1,6 +1,7 @@
 """The hackable recipes (#43): they validate, the proxy pays the exploit (a point per "!"
-without limit) and the judge (the data's preference as a rule) charges it past two, on hand-computed answers; the data claims
-their comments rest on (chosen answers carry one or two "!", rejected ones none) hold."""
+without limit) and the judge (the data's preference as a rule) charges it past two, on
+hand-computed answers; the data claims their comments rest on (chosen answers carry one or two
+"!", rejected ones none) hold."""
 
 from __future__ import annotations
 
