@@ -72,15 +72,16 @@ JUDGE_ROWS = (  # the last held-out evaluation's judge numbers (`audit.judge`), 
 
 def judge_summary(manifest: dict[str, Any], out: Console) -> None:
     """PPO's judge (`audit.judge`) at its last held-out evaluation beside the proxy, whether
-    that evaluation flagged over-optimisation, the rollbacks made and the best checkpoint."""
+    evaluations flagged over-optimisation, the rollbacks made and the best checkpoint."""
     metrics = manifest["metrics"]
     table = Table(title="judge · last held-out evaluation", show_header=False, title_justify="left")
     for label, key, form in JUDGE_ROWS:
         if key in metrics:
             table.add_row(label, form.format(metrics[key]))
-    if "audit/overoptimization" in metrics:
-        flagged = metrics["audit/overoptimization"]
-        table.add_row("Overoptimization", "[red]⚠ flagged[/]" if flagged else "[green]✓ none[/]")
+    if "overoptimization_flags" in metrics:
+        flags = metrics["overoptimization_flags"]
+        shown = f"[red]⚠ {flags} evaluation(s)[/]" if flags else "[green]✓ none[/]"
+        table.add_row("Overoptimization flagged", shown)
     rollbacks = manifest.get("rollbacks") or []
     if rollbacks:
         back = ", ".join(f"{r['iteration']} → {r['restored']}" for r in rollbacks)

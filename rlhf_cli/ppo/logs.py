@@ -161,8 +161,9 @@ class RunLogs:
 
 
 def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
-    """First-fifth vs last-fifth mean reward, the final KL (when measured) and β, and the last
-    held-out evaluation's `eval/*` numbers."""
+    """First-fifth vs last-fifth mean reward, the final KL (when measured) and β, the last
+    held-out evaluation's `eval/*` numbers, and with a judge how many evaluations flagged
+    over-optimisation."""
     if not history:
         return {}
     fifth = max(1, len(history) // 5)
@@ -170,7 +171,9 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
     last = [h["env/reward_mean"] for h in history[-fifth:]]
     evals = [h for h in history if "eval/reward_mean" in h]
     measured = "objective/kl" in history[-1]  # no KL without a reference forward (β = 0)
+    judged = [h["audit/overoptimization"] for h in history if "audit/overoptimization" in h]
     return {
+        **({"overoptimization_flags": int(sum(judged))} if judged else {}),
         **({k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}),
         **({"kl_final": history[-1]["objective/kl"]} if measured else {}),
         "iterations": history[-1]["iteration"],

@@ -18,6 +18,7 @@ JUDGED = {
         "eval/reward_gain": 2.5,
         "eval/judge_reward_gain": 0.375,
         "eval/proxy_judge_gap": 2.125,
+        "overoptimization_flags": 2,
     },
     "rollbacks": [{"iteration": 25, "restored": 20}],
     "best": {"iteration": 15, "checkpoint": "iter_00015", "metric": "eval/judge_reward_mean",
@@ -38,7 +39,8 @@ def test_the_judge_block_shows_its_numbers_rollbacks_and_the_best_checkpoint() -
     for row in ("Judge reward, policy  -0.1250", "Judge reward, SFT policy  -0.2500",
                 "Judge win rate against SFT  62%", "Judge gain (σ of its SFT scores)  +0.375",
                 "Proxy gain (σ of its SFT scores)  +2.500", "Proxy − judge gain  +2.125",
-                "25 → 20", "iter_00015 (eval/judge_reward_mean +0.5000)"):  # fmt: skip
+                "Overoptimization flagged  ⚠ 2 evaluation(s)", "25 → 20",
+                "iter_00015 (eval/judge_reward_mean +0.5000)"):  # fmt: skip
         assert " ".join(row.split()) in flat, row
 
 

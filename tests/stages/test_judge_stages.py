@@ -122,6 +122,7 @@ def test_heldout_evaluations_score_both_answers_with_the_judge(judged: Judged) -
         flagged = overoptimized(series, 3, judged.recipe.audit.judge.margin)
         assert row["audit/overoptimization"] == float(flagged)
     summary = judged.manifest["metrics"]
+    assert summary["overoptimization_flags"] == sum(r["audit/overoptimization"] for r in rows)
     for key in ("eval/judge_reward_mean", "eval/judge_win_rate", "eval/proxy_judge_gap"):
         assert summary[key] == rows[-1][key]  # the last evaluation's, in the manifest
 
