@@ -17,6 +17,7 @@ answers against the reference's (`judge_agreement`).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -89,15 +90,34 @@ def fitted_change(values: Sequence[float]) -> float:
     return slope * (n - 1)
 
 
-def overoptimized(evaluations: Sequence[tuple[float, float]], window: int, margin: float) -> bool:
+def overoptimized(
+    evaluations: Sequence[tuple[float, float]],
+    window: int,
+    margin: float,
+    judge_se: Sequence[float] = (),
+) -> bool:
     """Whether the last `window` held-out evaluations, each (proxy, judge) reward, oldest
     first, show the proxy rising by more than `margin` while the judge falls by more than
-    `margin` (`fitted_change` of each over the window, in the units of the values). Fewer
-    evaluations than `window` flag nothing."""
+    `margin` plus twice the standard error of that fall (`fitted_change` of each over the
+    window, in the units of the values). `judge_se`, aligned with `evaluations`, holds each
+    judge reward's standard error (its answers' spread over the root of their number): a fall
+    a finite sample could show by chance is no flag. Only the judge's fall is tested against
+    its noise: a proxy that rises while training is the expected case. Fewer evaluations than
+    `window` flag nothing."""
     if len(evaluations) < window:
         return False
     proxy, judge = zip(*evaluations[-window:], strict=True)
-    return fitted_change(proxy) > margin and fitted_change(judge) < -margin
+    noise = 2 * change_se(judge_se[-window:], window) if judge_se else 0.0
+    return fitted_change(proxy) > margin and fitted_change(judge) < -(margin + noise)
+
+
+def change_se(errors: Sequence[float], window: int) -> float:
+    """The standard error of `fitted_change` over `window` evenly spaced values with these
+    standard errors (independent; their mean variance): the slope's, σ / sqrt(Σ(x − x̄)²),
+    times (window − 1). Two values: their errors added in quadrature."""
+    variance = sum(e * e for e in errors) / len(errors)
+    spread = window * (window * window - 1) / 12  # Σ (x − x̄)² at x = 0 .. window − 1
+    return (window - 1) * math.sqrt(variance / spread)
 
 
 def _sign(x: float) -> int:

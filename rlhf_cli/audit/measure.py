@@ -173,6 +173,15 @@ def gain(scores: torch.Tensor, reference_scores: torch.Tensor) -> float:
     return float(scores.mean() - reference_scores.mean()) / (unit if unit > 0 else 1.0)
 
 
+def gain_se(scores: torch.Tensor, reference_scores: torch.Tensor) -> float:
+    """The standard error of `gain` from the policy's side (the reference's scores are fixed
+    for a run): the spread of `scores` over the root of their number, in `gain`'s units."""
+    if len(scores) < 2:
+        return 0.0
+    unit = float(reference_scores.std()) if len(reference_scores) > 1 else 0.0
+    return float(scores.std()) / len(scores) ** 0.5 / (unit if unit > 0 else 1.0)
+
+
 def judge_metrics(
     policy: tuple[torch.Tensor, torch.Tensor], reference: tuple[torch.Tensor, torch.Tensor]
 ) -> dict[str, float]:
@@ -181,6 +190,7 @@ def judge_metrics(
     (proxy, judge), (proxy_ref, judge_ref) = policy, reference
     reward_gain, judge_gain = gain(proxy, proxy_ref), gain(judge, judge_ref)
     return {
+        "eval/judge_reward_gain_se": gain_se(judge, judge_ref),
         "eval/judge_reward_mean": float(judge.mean()),
         "eval/judge_reward_reference_mean": float(judge_ref.mean()),
         "eval/judge_win_rate": win_rate(judge, judge_ref),

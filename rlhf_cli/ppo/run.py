@@ -215,20 +215,24 @@ def overoptimization(run: PPORun, iteration: int, metrics: dict[str, float]) -> 
     """With a judge (`audit.judge`), `audit/overoptimization`: 1.0 when this held-out
     evaluation (`metrics`) and the earlier ones (`run.logs.history`) show the proxy's reward
     rising while the judge's falls (`detectors.overoptimized` on each one's gain over the
-    reference, over `audit.judge.window` evaluations, beyond its `margin`), else 0.0; only
+    reference, over `audit.judge.window` evaluations, beyond its `margin` and the judge's
+    sampling noise), else 0.0; only
     evaluations since the last rollback count (the weights they measured were undone). A flag
     is warned about here; `react_to_hacking` answers it."""
     keys = ("eval/reward_gain", "eval/judge_reward_gain")
     if keys[1] not in metrics:
         return {}
     cfg, since = run.recipe.audit.judge, max((r["iteration"] for r in run.rollbacks), default=0)
-    earlier = [
-        (row[keys[0]], row[keys[1]])
-        for row in run.logs.history
-        if row["iteration"] > since and row.get(keys[1]) is not None
+    rows = [
+        row
+        for row in [*run.logs.history, metrics]
+        if row.get("iteration", iteration) > since and row.get(keys[1]) is not None
     ]
     flagged = overoptimized(
-        [*earlier, (metrics[keys[0]], metrics[keys[1]])], cfg.window, cfg.margin
+        [(row[keys[0]], row[keys[1]]) for row in rows],
+        cfg.window,
+        cfg.margin,
+        [row.get("eval/judge_reward_gain_se", 0.0) for row in rows],
     )
     if flagged:
         run.logs.warn(

@@ -223,7 +223,8 @@ class JudgeSection(Section):
         0.1,
         "How much each must move over those K evaluations (the least-squares line's change), "
         "in units of the std of its scores of the reference's held-out answers, to count as a "
-        "rise or a fall rather than noise.",
+        "rise or a fall; the judge's fall must also pass twice its standard error (the "
+        "held-out answers' spread over the root of their number).",
         ge=0.0,
     )
 

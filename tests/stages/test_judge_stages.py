@@ -101,12 +101,14 @@ def test_heldout_evaluations_score_both_answers_with_the_judge(judged: Judged) -
 
     proxy_ref, judge_ref = scored(reference)
     assert judge_ref.std() > 0  # a unit to measure gains in
-    series = []
+    series, errors = [], []
     for row, call in zip(rows, policy, strict=True):
         proxy_pol, judge_pol = scored(call)
         wins = (judge_pol > judge_ref).float() + 0.5 * (judge_pol == judge_ref).float()
         reward_gain, judge_gain = gain(proxy_pol, proxy_ref), gain(judge_pol, judge_ref)
+        judge_se = float(judge_pol.std()) / len(judge_pol) ** 0.5 / float(judge_ref.std())
         expected = {
+            "eval/judge_reward_gain_se": judge_se,
             "eval/reward_mean": float(proxy_pol.mean()),
             "eval/reward_reference_mean": float(proxy_ref.mean()),
             "eval/judge_reward_mean": float(judge_pol.mean()),
@@ -119,7 +121,8 @@ def test_heldout_evaluations_score_both_answers_with_the_judge(judged: Judged) -
         for key, value in expected.items():
             assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (row["iteration"], key)
         series.append((reward_gain, judge_gain))
-        flagged = overoptimized(series, 3, judged.recipe.audit.judge.margin)
+        errors.append(judge_se)
+        flagged = overoptimized(series, 3, judged.recipe.audit.judge.margin, errors)
         assert row["audit/overoptimization"] == float(flagged)
     summary = judged.manifest["metrics"]
     assert summary["overoptimization_flags"] == sum(r["audit/overoptimization"] for r in rows)

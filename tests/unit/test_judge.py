@@ -14,7 +14,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf_cli.audit.detectors import fitted_change, judge_agreement, overoptimized
+from rlhf_cli.audit.detectors import (
+    change_se,
+    fitted_change,
+    judge_agreement,
+    overoptimized,
+)
 from rlhf_cli.audit.measure import gain, judge_metrics, win_rate
 from rlhf_cli.errors import DataError, RecipeError
 from rlhf_cli.ppo.run import overoptimization
@@ -58,6 +63,19 @@ def test_noise_under_the_margin_does_not_flag() -> None:
 def test_a_move_exactly_at_the_margin_does_not_flag() -> None:
     series = [(0.0, 1.0), (0.5, 0.75), (0.25, 0.5)]  # proxy +0.25, judge −0.5
     assert not overoptimized(series, window=3, margin=0.25)
+
+
+def test_a_judge_fall_within_its_sampling_noise_does_not_flag() -> None:
+    """Judge −0.4 over three evaluations (last − first), proxy +0.8, margin 0.1. Each judge
+    reward's standard error 0.15: the fall's is 2·0.15·sqrt(1/2) = 0.2121 (the slope's error
+    σ/sqrt(Σ(x − x̄)²) = 0.15/sqrt(2), times 2), so the fall must pass 0.1 + 2·0.2121 = 0.5243:
+    no flag. At 0.05 each: 0.1 + 2·0.0707 = 0.2414 < 0.4: flagged."""
+    series = [(0.1, 0.5), (0.5, 0.3), (0.9, 0.1)]
+    assert change_se([0.15, 0.15, 0.15], 3) == pytest.approx(0.2121, abs=1e-4)
+    assert not overoptimized(series, window=3, margin=0.1, judge_se=[0.15] * 3)
+    assert overoptimized(series, window=3, margin=0.1, judge_se=[0.05] * 3)
+    # only the window's errors count: a noisy evaluation before it does not hide the fall
+    assert overoptimized([(0.0, 0.5), *series], window=3, margin=0.1, judge_se=[9.0, *[0.05] * 3])
 
 
 def test_fewer_than_k_evaluations_do_not_flag() -> None:
@@ -154,6 +172,8 @@ def test_judge_metrics_by_hand() -> None:
         "eval/reward_gain": 1.0,
         "eval/judge_reward_gain": -1.0 / judge_std,
         "eval/proxy_judge_gap": 1.0 + 1.0 / judge_std,
+        # the policy's judge scores 0, 1, 1: std sqrt(1/3), over sqrt(3), in judge_std units
+        "eval/judge_reward_gain_se": math.sqrt(1 / 3) / math.sqrt(3) / judge_std,
     }
     assert metrics.keys() == expected.keys()
     for key, value in expected.items():
