@@ -82,6 +82,16 @@ default for the other) and the seeds of `--seeds`:
 - `progress[policy]`: runs recorded, complete points and points still missing seeds;
 - `setup[policy]`: the distinct setups the summarised runs ran on (more than one: the runs come
   from SFT or reward models trained apart).
+
+`--judge` (tiny policy): the frontier that does not saturate, gold reward against KL as Gao et
+al. (2022) measure over-optimisation. `rlhf train-rm` trains the proxy reward on half the
+preference prompts and a judge on the other half (`reward.judge_fraction` 0.5: no prompt
+shared); every method trains against the proxy, and the held-out evaluation scores the same
+answers with the judge too (`judge_gain`: judge mean minus the SFT answers' judge mean;
+`judge_win_rate`). The frontier, Pareto set and comparison then rank by `judge_gain`
+(`comparison.by`); the proxy's `gain` stays beside it. Its own files (`bench/learn_judge.json`,
+`bench/learn_judge_runs.jsonl`) and work folder: its proxy saw half the data, so its runs are
+not comparable with the default grid's.
 """
 
 from __future__ import annotations
@@ -104,6 +114,7 @@ from bench_ppo import ROOT, recipe_for
 MARK = "BENCH-LEARN-RESULT "
 BATCH, MINI, EPOCHS, NEW_TOKENS, GROUP, HELDOUT = 32, 8, 4, 32, 4, 0.2
 EVAL_SAMPLES, EVAL_SEED = 4, 1234
+JUDGE_FRACTION = 0.5  # `--judge`: the preference prompts kept from the proxy for the judge
 _GROUPED = {"num_generations": GROUP, "adaptive_kl": False}
 _KL_LOSS = {"kl_in": "loss", "kl_estimator": "k3"}
 _GRPO = {"advantage_estimator": "grpo", **_GROUPED, **_KL_LOSS, "kl_importance_weight": False}
@@ -219,6 +230,10 @@ def evaluate(policy: Any, tokenizer: Any, recipe: Any, work: Path) -> dict[str, 
     scorer = frozen_scorer(
         recipe.reward, recipe.reward.pretrained, recipe.reward.pretrained, device
     )
+    folder = work / "runs" / "bench-tiny" / "rm" / "judge" / "model"
+    judge = (
+        frozen_scorer(recipe.reward, str(folder), str(folder), device) if folder.is_dir() else None
+    )
     policy.eval()
     metrics, _ = heldout_eval(
         policy,
@@ -229,9 +244,16 @@ def evaluate(policy: Any, tokenizer: Any, recipe: Any, work: Path) -> dict[str, 
         reference=Reference(policy),
         scorer=scorer,
         generator=generator_for(policy, tokenizer),
+        judge=judge,
     )
     gain = metrics["eval/reward_mean"] - metrics["eval/reward_reference_mean"]
+    judged = {}
+    if judge is not None:
+        judge_gain = metrics["eval/judge_reward_mean"] - metrics["eval/judge_reward_reference_mean"]
+        judged = {"judge_gain": round(judge_gain, 4),
+                  "judge_win_rate": round(metrics["eval/judge_win_rate"], 4)}  # fmt: skip
     return {
+        **judged,
         "reward_gain": round(gain, 4),
         "reward": round(metrics["eval/reward_mean"], 4),
         "reward_sft": round(metrics["eval/reward_reference_mean"], 4),
@@ -333,25 +355,32 @@ def run_trl(
             **evaluate(trainer.model, tokenizer, recipe, work)}  # fmt: skip
 
 
-def setup(work: Path) -> dict[str, Any]:
+def setup(work: Path, judge: bool) -> dict[str, Any]:
     """`rlhf sft` and `rlhf train-rm` on recipes/tiny.yaml: the tiny policy and the shared
-    reward; their held-out figures and a digest of their weights."""
+    reward (with `judge`, the reward on half the preference prompts and the judge on the other
+    half, `reward.judge_fraction`); their held-out figures and a digest of their weights."""
+    import yaml
     from rich.console import Console
 
     from rlhf_cli.recipe import load_recipe
     from rlhf_cli.stages.reward import run_train_rm
     from rlhf_cli.stages.sft import run_sft
 
-    recipe = load_recipe(recipe_for("tiny", work, 1))
+    path = recipe_for("tiny", work, 1)
+    if judge:
+        data = yaml.safe_load(path.read_text())
+        data["reward"]["judge_fraction"] = JUDGE_FRACTION
+        path.write_text(yaml.safe_dump(data))
+    recipe = load_recipe(path)
     quiet = Console(stderr=True, quiet=True)
     sft, rm = run_sft(recipe, quiet), run_train_rm(recipe, quiet)
     digest = hashlib.sha256()
-    for stage in ("sft", "rm"):
-        folder = work / "runs" / "bench-tiny" / stage / "model"
-        for weights in sorted(folder.glob("*.safetensors")):
+    for folder in ("sft/model", "rm/model", *(["rm/judge/model"] if judge else [])):
+        for weights in sorted((work / "runs" / "bench-tiny" / folder).glob("*.safetensors")):
             digest.update(weights.read_bytes())
+    judged = {"judge_eval_accuracy": rm["metrics"].get("judge_eval_accuracy")} if judge else {}
     return {"sft_eval_loss": sft["metrics"].get("eval_loss"),
-            "rm_eval_accuracy": rm["metrics"].get("eval_accuracy"),
+            "rm_eval_accuracy": rm["metrics"].get("eval_accuracy"), **judged,
             "weights_sha256": digest.hexdigest()[:16]}  # fmt: skip
 
 
@@ -360,7 +389,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     quiet_libraries()
     if args.child == "setup":
-        return setup(args.work)
+        return setup(args.work, args.judge)
     run = run_trl if args.child in TRL else run_ours
     return run(args.child, args.policy, args.work, args.tag, args.seed, args.lr, args.kl,
                args.budget)  # fmt: skip
@@ -379,11 +408,11 @@ def spawn(work: Path, tag: str, method: str, *flags: str) -> dict[str, Any]:
     return result
 
 
-def prepared(work: Path) -> dict[str, Any]:
+def prepared(work: Path, judge: bool) -> dict[str, Any]:
     """The setup of this work folder, run the first time only (work/setup.json)."""
     path = work / "setup.json"
     if not path.is_file():
-        path.write_text(json.dumps(spawn(work, "setup", "setup")))
+        path.write_text(json.dumps(spawn(work, "setup", "setup", *(["--judge"] if judge else []))))
     return json.loads(path.read_text())
 
 
@@ -402,52 +431,61 @@ def point(runs: list[dict[str, Any]]) -> dict[str, Any]:
     def spread(key: str) -> float:
         return round(statistics.pstdev(r[key] for r in runs), 4)
 
+    judged = {}
+    if all("judge_gain" in r for r in runs):
+        judged = {"judge_gain": mean("judge_gain"), "judge_gain_spread": spread("judge_gain"),
+                  "judge_win_rate": mean("judge_win_rate")}  # fmt: skip
     return {"lr": runs[0]["lr"], "kl_coef": runs[0]["kl_coef"], "kl": mean("kl"),
             "kl_spread": spread("kl"), "gain": mean("reward_gain"),
-            "gain_spread": spread("reward_gain"), "win_rate": mean("win_rate"),
+            "gain_spread": spread("reward_gain"), "win_rate": mean("win_rate"), **judged,
             "wall_s": mean("wall_s"), "seeds": sorted(r["seed"] for r in runs)}  # fmt: skip
 
 
-def pareto(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The points no other dominates (at least the gain at no more KL, better in one), by KL."""
+def pareto(points: list[dict[str, Any]], y: str) -> list[dict[str, Any]]:
+    """The points no other dominates (at least the gain `y` at no more KL, better in one), by
+    KL."""
 
     def dominates(q: dict[str, Any], p: dict[str, Any]) -> bool:
-        better = q["gain"] > p["gain"] or q["kl"] < p["kl"]
-        return better and q["gain"] >= p["gain"] and q["kl"] <= p["kl"]
+        better = q[y] > p[y] or q["kl"] < p["kl"]
+        return better and q[y] >= p[y] and q["kl"] <= p["kl"]
 
     kept = [p for p in points if not any(dominates(q, p) for q in points)]
     return sorted(kept, key=lambda p: p["kl"])
 
 
-def comparison(frontier: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+def comparison(frontier: dict[str, list[dict[str, Any]]], y: str) -> dict[str, Any] | None:
     """TRL GRPO's best point against our best point at no more KL, and our best GAE point
-    against our best point at any KL (`versus`)."""
+    against our best point at any KL (`versus`), by the gain `y`."""
     trl = [{"method": m, **p} for m, ps in frontier.items() if m.startswith("trl-grpo") for p in ps]
     if not trl:
         return None
-    best = max(trl, key=lambda p: p["gain"])
+    best = max(trl, key=lambda p: p[y])
     ours = [{"method": m, **p} for m, ps in frontier.items() if m in OURS for p in ps]
-    mine = max((p for p in ours if p["kl"] <= best["kl"]), key=lambda p: p["gain"], default=None)
-    out = {"trl_grpo_best": best, "ours_best_at_no_more_kl": mine, **versus(mine, best)}
+    mine = max((p for p in ours if p["kl"] <= best["kl"]), key=lambda p: p[y], default=None)
+    out = {"by": y, "trl_grpo_best": best, "ours_best_at_no_more_kl": mine,
+           **versus(mine, best, y)}  # fmt: skip
     gae = [p for p in ours if p["method"].startswith("ours-gae")]
     if gae:
-        top, top_gae = (max(ps, key=lambda p: p["gain"]) for ps in (ours, gae))
-        out["gae"] = {"ours_best": top, "gae_best": top_gae, **versus(top_gae, top)}
+        top, top_gae = (max(ps, key=lambda p: p[y]) for ps in (ours, gae))
+        out["gae"] = {"ours_best": top, "gae_best": top_gae, **versus(top_gae, top, y)}
     return out
 
 
-def versus(mine: dict[str, Any] | None, other: dict[str, Any]) -> dict[str, Any]:
-    """Gain of `mine` minus that of `other`, and whether that is within the larger seed spread."""
+def versus(mine: dict[str, Any] | None, other: dict[str, Any], y: str) -> dict[str, Any]:
+    """Gain `y` of `mine` minus that of `other`, and whether that is within the larger seed
+    spread."""
     if mine is None:
         return {"gain_difference": None, "within_one_spread": None, "reaches_it": False}
-    gap = round(mine["gain"] - other["gain"], 4)
-    spread = max(mine["gain_spread"], other["gain_spread"])
+    gap = round(mine[y] - other[y], 4)
+    spread = max(mine[f"{y}_spread"], other[f"{y}_spread"])
     return {"gain_difference": gap, "within_one_spread": abs(gap) <= spread, "reaches_it": gap >= 0}
 
 
-def summarise(runs: list[dict[str, Any]], budgets: dict[str, int], seeds: list[int]) -> dict:
+def summarise(
+    runs: list[dict[str, Any]], budgets: dict[str, int], seeds: list[int], y: str = "gain"
+) -> dict:
     """The frontier, Pareto, comparison, progress and setup blocks (module docstring) of the
-    runs at each policy's budget and of `seeds`."""
+    runs at each policy's budget and of `seeds`, the gain `y` on the frontier's y-axis."""
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         if r["budget"] == budgets[r["policy"]] and r["seed"] in seeds:
@@ -469,8 +507,8 @@ def summarise(runs: list[dict[str, Any]], budgets: dict[str, int], seeds: list[i
                 point(mine)
             )
     for policy, methods in out["frontier"].items():
-        out["pareto"][policy] = {m: pareto(ps) for m, ps in methods.items()}
-        out["comparison"][policy] = comparison(methods)
+        out["pareto"][policy] = {m: pareto(ps, y) for m, ps in methods.items()}
+        out["comparison"][policy] = comparison(methods, y)
     return out
 
 
@@ -489,7 +527,7 @@ def run_grid(args: argparse.Namespace, budget: int) -> None:
     if not todo:
         return
     args.work.mkdir(parents=True, exist_ok=True)
-    prepared_on = prepared(args.work)
+    prepared_on = prepared(args.work, args.judge)
     for method, lr, kl, seed in todo:
         tag = f"{args.policy}-{method}-s{seed}-lr{lr:g}-kl{kl:g}-b{budget}"
         flags = ["--policy", args.policy, "--seed", str(seed), "--lr", str(lr), "--kl", str(kl),
@@ -502,15 +540,16 @@ def run_grid(args: argparse.Namespace, budget: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "learn.json")
-    ap.add_argument("--runs", type=Path, default=ROOT / "bench" / "learn_runs.jsonl")
+    ap.add_argument("--judge", action="store_true", help="the judge's gain on the y-axis")
+    ap.add_argument("--out", type=Path, help="default: bench/learn.json (learn_judge.json)")
+    ap.add_argument("--runs", type=Path, help="default: bench/learn_runs.jsonl (learn_judge_…)")
     ap.add_argument("--policy", default="tiny", choices=POLICIES)
     ap.add_argument("--budget", type=int, help="completions a run (default: the policy's)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--lrs", type=float, nargs="+", help="default: the policy's")
     ap.add_argument("--kls", type=float, nargs="+", help="KL coefficients β (default: policy's)")
     ap.add_argument("--methods", nargs="+", choices=METHODS, help="default: the policy's")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/rlhf-bench-learn"))
+    ap.add_argument("--work", type=Path, help="default: /tmp/rlhf-bench-learn(-judge)")
     ap.add_argument("--summarise-only", action="store_true", help="rebuild --out from --runs")
     ap.add_argument("--child")
     ap.add_argument("--tag")
@@ -518,6 +557,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.0)
     ap.add_argument("--kl", type=float, default=0.0)
     args = ap.parse_args()
+    name = "learn_judge" if args.judge else "learn"
+    args.out = args.out or ROOT / "bench" / f"{name}.json"
+    args.runs = args.runs or ROOT / "bench" / f"{name}_runs.jsonl"
+    args.work = args.work or Path("/tmp/rlhf-bench-" + name.replace("_", "-"))
     if args.child:
         print(MARK + json.dumps(child(args)), flush=True)
         return
@@ -544,7 +587,9 @@ def main() -> None:
             "budget_completions": budgets,
             "seeds": args.seeds,
             "runs_file": str(runs.relative_to(ROOT) if runs.is_relative_to(ROOT) else runs),
-            **summarise(read_runs(args.runs), budgets, args.seeds),
+            **summarise(
+                read_runs(args.runs), budgets, args.seeds, "judge_gain" if args.judge else "gain"
+            ),
         }
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps({k: report[k] for k in ("progress", "comparison")}, indent=2))
