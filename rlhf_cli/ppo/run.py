@@ -141,7 +141,8 @@ def react_to_hacking(run: PPORun, iteration: int, flags: list[str]) -> dict[str,
 
 
 def roll_back(run: PPORun, iteration: int, names: str) -> dict[str, float]:
-    """Restore the newest checkpoint written before iteration `iteration` (weights,
+    """Restore the newest checkpoint written before iteration `iteration`, or with
+    `audit.rollback_to: best` the best one before it (`run.best`) when there is one (weights,
     optimiser, scheduler, β, score moments, RNG: `load_checkpoint`, as `--resume` does), drop
     the rollouts asked for ahead, then apply the recipe's correction: β × `rollback_kl_factor`,
     the learning rate × `rollback_lr_factor`. Without a checkpoint before the flag only the
@@ -152,6 +153,9 @@ def roll_back(run: PPORun, iteration: int, names: str) -> dict[str, float]:
         f for f in checkpoint_folders(root, PPO_CHECKPOINT)
         if int(f.name.removeprefix(PPO_CHECKPOINT)) < iteration
     ]  # fmt: skip
+    best = run.best if cfg.rollback_to == "best" else None
+    if best is not None and best["iteration"] < iteration and (root / best["checkpoint"]).is_dir():
+        before = [root / best["checkpoint"]]
     run.drafts.drop()
     restored = 0
     if before:

@@ -45,6 +45,13 @@ class AuditSection(Section):
         "the learning rate × `rollback_lr_factor`, at most `max_rollbacks` times, then stop; "
         "`stop`: checkpoint and exit 1 naming the best checkpoint.",
     )
+    rollback_to: Literal["newest", "best"] = described(
+        "newest",
+        "The checkpoint a rollback restores: the newest written before the flag, or the best "
+        "one before it (the highest judge reward, else held-out reward: `checkpoints/best.json`; "
+        "the newest when none is kept). A flag over K evaluations comes after the judge has "
+        "fallen for a while, so the newest can hold hacked weights already.",
+    )
     rollback_kl_factor: float = described(
         2.0, "β is multiplied by this at each rollback (compounding).", ge=1.0
     )
