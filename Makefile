@@ -42,12 +42,14 @@ $(STAMP): pyproject.toml Makefile
 	  DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED)"
 	touch $(STAMP)
 
+# the demo's judge (`audit.judge`): the data's preference as a rule the policy never trains against
+DEMO_JUDGE = [{"function": "$(CURDIR)/examples/rewards.py:politeness"}]
 demo: $(STAMP)
 	$(RLHF) validate --recipe $(RECIPE) > /dev/null
 	$(RLHF) validate --data --recipe $(RECIPE)   # what each stage will read, in tokens
 	$(RLHF) sft --recipe $(RECIPE)
 	$(RLHF) train-rm
-	$(RLHF) ppo
+	$(RLHF) ppo --set 'audit.judge.functions=$(DEMO_JUDGE)'   # scored beside the proxy, never trained on
 	$(RLHF) audit || test $$? -eq 1   # exit 1 = hacking detected: reported, the demo goes on
 	$(RLHF) merge
 	$(RLHF) push --dry-run
