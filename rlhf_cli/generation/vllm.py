@@ -51,9 +51,14 @@ def installed_vllm() -> str | None:
     return None
 
 
+def has_vllm() -> bool:
+    """Whether the vllm package is importable here (without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
 def check_vllm() -> None:
     """vLLM installed, at the tested version or later (one line, exit 2)."""
-    if importlib.util.find_spec("vllm") is None:
+    if not has_vllm():
         raise ModelLoadError(
             f"ppo.generation.backend: vllm needs vLLM, which is not installed: {INSTALL}"
         )

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlhf_cli.generation.vllm import merged_weights
+from rlhf_cli.generation.vllm import has_vllm, merged_weights
 from rlhf_cli.recipe import ServerSection
 
 CONNECT_TIMEOUT_S = 10.0  # finding the address the server reaches this machine at
@@ -28,12 +28,6 @@ def weight_transfer(server: ServerSection) -> Literal["disk", "nccl"]:
         return server.weight_transfer
     one = int(os.environ.get("WORLD_SIZE", "1")) == 1
     return "nccl" if one and torch.cuda.is_available() and has_vllm() else "disk"
-
-
-def has_vllm() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 @dataclass

@@ -220,21 +220,28 @@ def test_a_server_that_stays_silent_times_out(tiny, fake, tmp_path):
         client.generate(_queries(tokenizer)[:1], GEN, [1])
 
 
-def test_weights_sync_reloads_the_merged_weights_under_a_version(tiny, fake, tmp_path):
-    folder, tokenizer = tiny
-    policy = _lora_policy(folder)
-    client = _client(policy, tokenizer, _gen([fake.url], sync="weights"), tmp_path)
-    assert client.mode == "weights" and fake.version == client.weights
+def _answers_as_the_policy_then_resyncs(client, policy, tokenizer, fake: FakeVLLM) -> str:
+    """The server answers as `policy` does locally (same seeds, same tokens); a second sync
+    moves it to a new weight version. Returns the first version."""
     queries, seeds = _queries(tokenizer), [3, 4, 5, 6]
     local = HFGenerator(policy, tokenizer, client.stop_ids).generate(queries, GEN, seeds)
     assert torch.equal(client.generate(queries, GEN, seeds).response_ids, local.response_ids)
     before = client.weights
     client.sync(policy)
     assert client.weights != before and fake.version == client.weights
+    return before
+
+
+def test_weights_sync_reloads_the_merged_weights_under_a_version(tiny, fake, tmp_path):
+    folder, tokenizer = tiny
+    policy = _lora_policy(folder)
+    client = _client(policy, tokenizer, _gen([fake.url], sync="weights"), tmp_path)
+    assert client.mode == "weights" and fake.version == client.weights
+    before = _answers_as_the_policy_then_resyncs(client, policy, tokenizer, fake)
     assert not (tmp_path / ".server-sync" / before).exists()  # one weights folder at a time
     fake.version = "rlhf-another-run-v9"  # another trainer synced to the same server
     with pytest.raises(GenerationServerLost, match="another trainer is syncing to it"):
-        client.generate(queries, GEN, seeds)
+        client.generate(_queries(tokenizer), GEN, [3, 4, 5, 6])
 
 
 class _Meta(NamedTuple):  # vLLM's ParamMeta
@@ -317,12 +324,7 @@ def test_nccl_weight_transfer_drives_vllms_handshake_then_versions_the_weights(
     merged = dict(merged_weights(policy))
     assert update["names"] == list(merged) and not any("lora" in n for n in update["names"])
     assert update["shapes"][0] == list(next(iter(merged.values())).shape)
-    queries, seeds = _queries(tokenizer), [3, 4, 5, 6]
-    local = HFGenerator(policy, tokenizer, client.stop_ids).generate(queries, GEN, seeds)
-    assert torch.equal(client.generate(queries, GEN, seeds).response_ids, local.response_ids)
-    before = client.weights
-    client.sync(policy)
-    assert client.weights != before and fake.version == client.weights
+    _answers_as_the_policy_then_resyncs(client, policy, tokenizer, fake)
     assert [p for p, _ in fake.transfer][4:] == steps[1:]  # no second init
     assert not any((tmp_path / ".server-sync").glob("rlhf-*"))  # no weights on disk
 
