@@ -159,12 +159,20 @@ def named_checkpoint(ppo_dir: Path, name: str) -> Path | None:
     if name == "best":
         try:
             best = json.loads((root / BEST_CHECKPOINT).read_text())
-        except (OSError, ValueError):
+        except OSError:
             raise StageError(
                 f"{root} names no best checkpoint: set ppo.eval_every (and "
                 "data.prompts.eval_fraction) so that held-out evaluations choose one"
             ) from None
-        folder = root / best["checkpoint"]
+        except ValueError:
+            best = None
+        named = best.get("checkpoint") if isinstance(best, dict) else None
+        if not isinstance(named, str) or not named.startswith(PPO_CHECKPOINT):
+            raise StageError(
+                f"{root / BEST_CHECKPOINT} is damaged (no checkpoint name in it): name the "
+                "checkpoint instead, --checkpoint iter_N (the manifest's `best` says which)"
+            )
+        folder = root / named
     else:
         number = name.removeprefix(PPO_CHECKPOINT)
         if not number.isdigit():

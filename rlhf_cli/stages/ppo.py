@@ -216,14 +216,18 @@ def setup(
 def watch_from(folder: Path | None) -> dict[str, Any]:
     """What a resume takes over from checkpoint `folder` besides the training state: the
     rollbacks made so far (`audit.max_rollbacks` counts across it) and the best evaluated
-    checkpoint when it is not newer than `folder`."""
+    checkpoint when it is not newer than `folder` (a damaged best.json is dropped: the next
+    evaluation names a best again)."""
     if folder is None:
         return {}
     saved = checkpoint_state(folder)
     watch: dict[str, Any] = {"rollbacks": saved.get("rollbacks") or []}
-    best = folder.parent / BEST_CHECKPOINT
-    if best.is_file() and json.loads(best.read_text())["iteration"] <= saved["iteration"]:
-        watch["best"] = json.loads(best.read_text())
+    try:
+        best = json.loads((folder.parent / BEST_CHECKPOINT).read_text())
+        if best["iteration"] <= saved["iteration"] and isinstance(best["checkpoint"], str):
+            watch["best"] = best
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none kept, or not readable
     return watch
 
 
