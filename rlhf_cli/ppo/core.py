@@ -590,9 +590,9 @@ class _KLController:
         """Raise the coefficient by ``delta`` (the audit's response to reward hacking)."""
         self._value += float(delta)
 
-    def scale_by(self, factor: float) -> None:
-        """Multiply the coefficient by ``factor`` (a rollback's correction)."""
-        self._value *= float(factor)
+    def set_to(self, value: float) -> None:
+        """Set the coefficient (a rollback's correction, over the restored one)."""
+        self._value = float(value)
 
 
 class AdaptiveKLController(_KLController):

@@ -144,9 +144,11 @@ def roll_back(run: PPORun, iteration: int, names: str) -> dict[str, float]:
     """Restore the newest checkpoint written before iteration `iteration`, or with
     `audit.rollback_to: best` the best one before it (`run.best`) when there is one (weights,
     optimiser, scheduler, β, score moments, RNG: `load_checkpoint`, as `--resume` does), drop
-    the rollouts asked for ahead, then apply the recipe's correction: β × `rollback_kl_factor`,
-    the learning rate × `rollback_lr_factor`. Without a checkpoint before the flag only the
-    correction applies. The loop goes on counting iterations from `iteration`."""
+    the rollouts asked for ahead, then apply the recipe's correction to the values in force at
+    the flag, not the restored ones (so that repeated rollbacks to one checkpoint compound): β ×
+    `rollback_kl_factor`, the schedule's learning rate × `rollback_lr_factor`. Without a
+    checkpoint before the flag only the correction applies. The loop goes on counting
+    iterations from `iteration`."""
     cfg, state = run.recipe.audit, run.state
     root = run.stage_dir / "checkpoints"
     before = [
@@ -156,16 +158,19 @@ def roll_back(run: PPORun, iteration: int, names: str) -> dict[str, float]:
     best = run.best if cfg.rollback_to == "best" else None
     if best is not None and best["iteration"] < iteration and (root / best["checkpoint"]).is_dir():
         before = [root / best["checkpoint"]]
+    kl_coef = state.kl_ctl.value * cfg.rollback_kl_factor
+    base_lrs = [lr * cfg.rollback_lr_factor for lr in state.scheduler.base_lrs]
     run.drafts.drop()
     restored = 0
     if before:
         restored = int(
             load_checkpoint(before[-1], run.models.engine, run.models.actor, state)["iteration"]
         )
-    state.kl_ctl.scale_by(cfg.rollback_kl_factor)
-    for group in state.optimizer.param_groups:
-        group["lr"] *= cfg.rollback_lr_factor
-    state.scheduler.base_lrs = [lr * cfg.rollback_lr_factor for lr in state.scheduler.base_lrs]
+    state.kl_ctl.set_to(kl_coef)
+    restored_lrs = state.scheduler.base_lrs
+    for group, old, new in zip(state.optimizer.param_groups, restored_lrs, base_lrs, strict=True):
+        group["lr"] *= new / old  # the restored step of the schedule, on the corrected base
+    state.scheduler.base_lrs = base_lrs
     lr = state.optimizer.param_groups[0]["lr"]
     run.rollbacks.append(
         {"iteration": iteration, "restored": restored, "flags": names,

@@ -53,11 +53,11 @@ class AuditSection(Section):
         "fallen for a while, so the newest can hold hacked weights already.",
     )
     rollback_kl_factor: float = described(
-        2.0, "β is multiplied by this at each rollback (compounding).", ge=1.0
+        2.0, "β in force at a flag is multiplied by this at its rollback (compounding).", ge=1.0
     )
     rollback_lr_factor: float = described(
         0.5,
-        "The learning rate is multiplied by this at each rollback (compounding).",
+        "The learning rate in force at a flag is multiplied by this at its rollback (compounding).",
         gt=0.0,
         le=1.0,
     )

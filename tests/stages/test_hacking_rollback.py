@@ -1,8 +1,8 @@
 """`audit.on_hacking: rollback | stop` and the best checkpoint, on the tiny run: an in-training
 audit that flags (every answer of 2+ words counts as verbose) at iteration 3 restores the exact
 state of the checkpoint written before it (iteration 2: trained weights, optimiser moments, the
-sampler's RNG, β) with the recipe's correction (β × 2, learning rate × 0.5), and the run goes
-on; the next flag, past `max_rollbacks`, stops it with exit 1 naming the best checkpoint, which
+sampler's RNG) with the recipe's correction (β at the flag × 2, learning rate × 0.5), and the run
+goes on; the next flag, past `max_rollbacks`, stops it with exit 1 naming the best checkpoint, which
 `rlhf merge --checkpoint best` then merges."""
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def test_rollback_restores_the_checkpoint_corrects_and_then_stops_at_the_best(
     real = run_module.roll_back
 
     def spy(run, iteration, names):
+        seen["kl_at_flag"] = run.state.kl_ctl.value
         out = real(run, iteration, names)
         actor = run.accelerator.unwrap_model(run.models.actor)
         first = next(iter(run.state.optimizer.state.values()))
@@ -72,8 +73,7 @@ def test_rollback_restores_the_checkpoint_corrects_and_then_stops_at_the_best(
     assert torch.equal(
         torch.load(at_2 / "rng_0.pt", weights_only=False)["sampler"], seen["sampler"]
     )
-    state = json.loads((at_2 / "state.json").read_text())
-    assert seen["kl"] == pytest.approx(2.0 * state["kl_controller"]["value"])
+    assert seen["kl"] == pytest.approx(2.0 * seen["kl_at_flag"])  # β in force at the flag, × 2
     assert seen["lr"] == pytest.approx(0.5 * 1e-3)
 
     # the flag at iteration 6 is past max_rollbacks: stop, exit 1, naming the best checkpoint

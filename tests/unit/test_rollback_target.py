@@ -57,3 +57,28 @@ def test_the_checkpoint_a_flag_at_25_restores(tmp_path, monkeypatch, rollback_to
     assert loaded == [f"iter_{restored:05d}"]
     assert out == {"audit/rollback": 1.0, "audit/rolled_back_to": float(restored)}
     assert run.rollbacks[0]["restored"] == restored
+
+
+def test_repeated_rollbacks_to_one_checkpoint_compound_the_correction(tmp_path, monkeypatch):
+    """The checkpoint restores its own β and learning rate (as `load_checkpoint` does); each
+    rollback's correction multiplies the values in force at its flag, so the second rollback to
+    the same checkpoint trains with β × 4 and the learning rate × 0.25, not × 2 and × 0.5
+    again."""
+    run = _run(tmp_path, "best", {"iteration": 10, "checkpoint": "iter_00010"})
+
+    def load(folder: Path, _engine: Any, _actor: Any, state: Any) -> dict[str, int]:
+        state.kl_ctl.set_to(0.1)  # the checkpoint's state, as written at iteration 10
+        state.scheduler.base_lrs = [1e-3]
+        state.optimizer.param_groups[0]["lr"] = 8e-4  # its step of a decaying schedule
+        return {"iteration": 10}
+
+    monkeypatch.setattr(run_module, "load_checkpoint", load)
+    run_module.roll_back(run, 15, "overoptimization")
+    assert run.state.kl_ctl.value == pytest.approx(0.2)
+    assert run.state.scheduler.base_lrs == [pytest.approx(5e-4)]
+    assert run.state.optimizer.param_groups[0]["lr"] == pytest.approx(4e-4)
+    run_module.roll_back(run, 30, "overoptimization")
+    assert run.state.kl_ctl.value == pytest.approx(0.4)
+    assert run.state.scheduler.base_lrs == [pytest.approx(2.5e-4)]
+    assert run.state.optimizer.param_groups[0]["lr"] == pytest.approx(2e-4)
+    assert [r["kl_coef"] for r in run.rollbacks] == [pytest.approx(0.2), pytest.approx(0.4)]
