@@ -41,7 +41,8 @@ no flag on the clean recipe. Runs of one seed are identical up to the first flag
 seeds, the CPU's deterministic kernels).
 
 SmolLM2 (`--model smollm2`) takes about 15 min a PPO run on a 2-core CPU (9 runs: over two
-hours); the JSON says which models were run. `--iterations N` shortens every PPO run (a smoke
+hours); the JSON says which models were run, and is written after every run (a model's
+record says `unfinished` until its last run ends, so an interrupted bench keeps what it ran). `--iterations N` shortens every PPO run (a smoke
 test: not the recipes' budget, and recorded as such).
 """
 
@@ -234,6 +235,22 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
+def write(out: Path, results: dict[str, Any]) -> None:
+    """bench/hacking.json with `results`; a model not run now keeps its earlier record."""
+    previous = json.loads(out.read_text()) if out.is_file() else {}
+    models = {**previous.get("models", {}), **results}
+    out.write_text(json.dumps({
+        "what": __doc__.split("\n\n")[0],
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpus": os.cpu_count(), "torch": version("torch"),
+                    "transformers": version("transformers")},
+        "unmitigated_sets": UNMITIGATED,
+        "models_run": sorted(models),
+        "models_not_run": {m: "not run (--model)" for m in MODELS if m not in models},
+        "models": models,
+    }, indent=1) + "\n")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["tiny"])
@@ -252,32 +269,26 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {"unmitigated": [], "rollback": [], "clean": []}
         figures = setup(hackable, work, base)
         conditions = {"unmitigated": UNMITIGATED, "rollback": [], "clean": CLEAN}
-        for seed in args.seeds:
-            for condition, sets in conditions.items():
-                tag = f"{condition}-s{seed}"
-                runs[condition].append(one_run(hackable, work, base, tag, seed, sets + extra))
         results[model] = {
             "recipe": f"recipes/{hackable.name}",
             "seeds": args.seeds,
             "iterations": args.iterations or "as in the recipes",
             "sets": {c: s + extra for c, s in conditions.items()},
             "setup": figures,
+        }
+        for seed in args.seeds:
+            for condition, sets in conditions.items():
+                tag = f"{condition}-s{seed}"
+                runs[condition].append(one_run(hackable, work, base, tag, seed, sets + extra))
+                results[model] |= {"unfinished": "the runs so far", "runs": runs}
+                write(args.out, results)  # an interrupted bench keeps the runs it made
+        del results[model]["unfinished"]
+        results[model] |= {
             "wall_min": round((time.perf_counter() - started) / 60, 1),
             "summary": summarise(runs),
             "runs": runs,
         }
-    previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    models = {**previous.get("models", {}), **results}  # a model not run now keeps its record
-    args.out.write_text(json.dumps({
-        "what": __doc__.split("\n\n")[0],
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "torch": version("torch"),
-                    "transformers": version("transformers")},
-        "unmitigated_sets": UNMITIGATED,
-        "models_run": sorted(models),
-        "models_not_run": {m: "not run (--model)" for m in MODELS if m not in models},
-        "models": models,
-    }, indent=1) + "\n")  # fmt: skip
+        write(args.out, results)
     print(f"wrote {args.out}", file=sys.stderr)
 
 
