@@ -42,8 +42,9 @@ seeds, the CPU's deterministic kernels).
 
 SmolLM2 (`--model smollm2`) takes about 15 min a PPO run on a 2-core CPU (9 runs: over two
 hours); the JSON says which models were run, and is written after every run (a model's
-record says `unfinished` until its last run ends, so an interrupted bench keeps what it ran). `--iterations N` shortens every PPO run (a smoke
-test: not the recipes' budget, and recorded as such).
+record says `unfinished` until its last run ends, so an interrupted bench keeps what it ran).
+`--iterations N` shortens every PPO run (a smoke test: not the recipes' budget, and recorded as
+such).
 """
 
 from __future__ import annotations
