@@ -42,7 +42,9 @@ seeds, the CPU's deterministic kernels).
 
 SmolLM2 (`--model smollm2`) takes about 15 min a PPO run on a 2-core CPU (9 runs: over two
 hours); the JSON says which models were run, and is written after every run (a model's
-record says `unfinished` until its last run ends, so an interrupted bench keeps what it ran).
+record says `unfinished` until every seed has all three runs). A run already in `--out` for the
+same recipe and settings is kept, not run again (the runs are deterministic), so an interrupted
+bench, or one spread over sessions, goes on where it stopped; `--fresh` runs everything again.
 `--iterations N` shortens every PPO run (a smoke test: not the recipes' budget, and recorded as
 such).
 """
@@ -236,6 +238,25 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
+def recorded(out: Path, model: str, record: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The runs `out` holds for `model` when its recipe and settings are `record`'s."""
+    earlier = json.loads(out.read_text()).get("models", {}).get(model, {}) if out.is_file() else {}
+    same = all(earlier.get(k) == v for k, v in record.items())
+    return {c: list(earlier.get("runs", {}).get(c, []) if same else []) for c in record["sets"]}
+
+
+def progress(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The seeds run, the runs' PPO time, and the summary once every seed has all three runs."""
+    seeds = [sorted(r["seed"] for r in rs) for rs in runs.values()]
+    figures: dict[str, Any] = {
+        "seeds": sorted({s for ss in seeds for s in ss}),
+        "ppo_wall_min": round(sum(r["wall_s"] for rs in runs.values() for r in rs) / 60, 1),
+    }
+    if seeds[0] and all(ss == seeds[0] for ss in seeds):
+        return figures | {"summary": summarise(runs), "runs": runs}
+    return figures | {"unfinished": "not every seed has all three runs", "runs": runs}
+
+
 def write(out: Path, results: dict[str, Any]) -> None:
     """bench/hacking.json with `results`; a model not run now keeps its earlier record."""
     previous = json.loads(out.read_text()) if out.is_file() else {}
@@ -259,6 +280,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, help="shorten every PPO run (a smoke test)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-hacking")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "hacking.json")
+    parser.add_argument("--fresh", action="store_true", help="run again the runs --out has")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     extra = [f"ppo.iterations={args.iterations}"] if args.iterations else []
@@ -266,29 +288,22 @@ def main() -> None:
     for model in args.model:
         hackable = ROOT / "recipes" / MODELS[model]
         work, base = args.work / model, f"{model}-setup"
-        started = time.perf_counter()
-        runs: dict[str, list[dict[str, Any]]] = {"unmitigated": [], "rollback": [], "clean": []}
-        figures = setup(hackable, work, base)
         conditions = {"unmitigated": UNMITIGATED, "rollback": [], "clean": CLEAN}
-        results[model] = {
-            "recipe": f"recipes/{hackable.name}",
-            "seeds": args.seeds,
-            "iterations": args.iterations or "as in the recipes",
-            "sets": {c: s + extra for c, s in conditions.items()},
-            "setup": figures,
-        }
+        record = {"recipe": f"recipes/{hackable.name}",
+                  "iterations": args.iterations or "as in the recipes",
+                  "sets": {c: s + extra for c, s in conditions.items()}}  # fmt: skip
+        runs = {c: [] for c in conditions} if args.fresh else recorded(args.out, model, record)
+        record["setup"] = setup(hackable, work, base)
         for seed in args.seeds:
             for condition, sets in conditions.items():
+                if any(r["seed"] == seed for r in runs[condition]):
+                    continue
                 tag = f"{condition}-s{seed}"
                 runs[condition].append(one_run(hackable, work, base, tag, seed, sets + extra))
-                results[model] |= {"unfinished": "the runs so far", "runs": runs}
+                runs[condition].sort(key=lambda r: r["seed"])
+                results[model] = record | progress(runs)
                 write(args.out, results)  # an interrupted bench keeps the runs it made
-        del results[model]["unfinished"]
-        results[model] |= {
-            "wall_min": round((time.perf_counter() - started) / 60, 1),
-            "summary": summarise(runs),
-            "runs": runs,
-        }
+        results[model] = record | progress(runs)
         write(args.out, results)
     print(f"wrote {args.out}", file=sys.stderr)
 
