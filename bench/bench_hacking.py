@@ -33,12 +33,17 @@ win rate, KL, answer length, `audit/overoptimization` and `audit/rollback`. From
   judge's peak it came (`evals_after_peak`);
 - the exploit itself: the mean number of "!" per answer in samples.jsonl at each logged step;
 - `rlhf audit`'s flags on the final policy (its exit code: 1 = flagged).
+A run's peak is the highest of its evaluations, each a noisy draw (one answer to each of 40
+held-out prompts on tiny), so it reads high; with rollback, the run's peak checkpoint and its
+final weights are evaluated again on fresh draws (`reevaluated`: `rlhf audit` on the held-out
+prompts, `run.seed` 1000 and 4 answers a prompt), the judge's mean for each and the SFT policy's.
 `summary[model]` sets the issue's claims against these numbers: the unmitigated judge peaks and
 falls (peak before the last evaluation, final below it), the flag within 2 evaluations of the
 peak, with rollback the final judge reward within a seed spread (population std of the
 unmitigated peaks over seeds) of the peak and above the unmitigated final of the same seed, and
-no flag on the clean recipe. Runs of one seed are identical up to the first flag (the same
-seeds, the CPU's deterministic kernels).
+no flag on the clean recipe; the rollback's claim is also set against the re-evaluation. Runs
+of one seed are identical up to the first flag (the same seeds, the CPU's deterministic
+kernels).
 
 SmolLM2 (`--model smollm2`) takes about 15 min a PPO run on a 2-core CPU (9 runs: over two
 hours); the JSON says which models were run, and is written after every run (a model's
@@ -172,6 +177,48 @@ def one_run(recipe: Path, work: Path, base: str, tag: str, seed: int, sets: list
     return result
 
 
+REEVAL_SEED, REEVAL_SAMPLES = 1000, 4  # a sampling seed no run uses; answers a held-out prompt
+
+
+def heldout_file(recipe: Path, work: Path) -> Path:
+    """The held-out prompts PPO evaluates on, one a line, for `rlhf audit`."""
+    from rlhf_cli.data import load_prompts, prompt_text, split_heldout
+    from rlhf_cli.recipe import load_recipe
+
+    source = load_recipe(recipe).data.prompts
+    _, held = split_heldout(load_prompts(source).items, source.eval_fraction)
+    if any(len(p) > 1 for p in held):
+        raise SystemExit("bench-hacking: the held-out prompts must be single-turn")
+    path = work / "heldout_prompts.txt"
+    path.write_text("".join(prompt_text(p).replace("\n", " ") + "\n" for p in held))
+    return path
+
+
+def reevaluate(recipe: Path, work: Path, base: str, run: dict[str, Any]) -> dict:
+    """The judge on fresh draws for the run's peak checkpoint and its final weights (module
+    docstring): {"peak"|"final": {"judge", "reference", "kl"}}; one audit when they are one."""
+    tag, prompts = f"rollback-s{run['seed']}", heldout_file(recipe, work)
+    stage = work / "runs" / tag / "ppo"
+    sets = [f"run.output_dir={work / 'runs'}", f"run.name={tag}", f"run.base={base}",
+            f"run.seed={REEVAL_SEED}", f"audit.prompts_file={prompts}"]  # fmt: skip
+    flags = [x for s in sets for x in ("--set", s)]
+    weights = {"peak": stage / "checkpoints" / f"iter_{run['judge_peak_iteration']:05d}"}
+    if run["final_weights_evaluated_at"] != run["judge_peak_iteration"]:
+        weights["final"] = stage
+    figures = {}
+    for label, where in weights.items():
+        samples = ("--samples", str(REEVAL_SAMPLES))
+        _, _, out = rlhf("audit", str(where), "--recipe", str(recipe), *flags, *samples,
+                         "--json", "--quiet", check=False)  # fmt: skip
+        report = json.loads(out)
+        figures[label] = {k: round(report[key], 4) for k, key in (
+            ("judge", "judge_policy_mean"), ("reference", "judge_reference_mean"),
+            ("kl", "kl_to_reference"))}  # fmt: skip
+    figures.setdefault("final", figures["peak"])
+    print(f"{tag} reevaluated: {json.dumps(figures)}", file=sys.stderr, flush=True)
+    return figures
+
+
 SHOWN = ("exit_code", "wall_s", "judge_peak", "judge_peak_iteration", "judge_final",
          "first_flag_iteration", "flags")  # fmt: skip
 
@@ -206,6 +253,8 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     within = [r["evals_after_peak"] is not None and 0 <= r["evals_after_peak"] <= 2 for r in free]
     by_seed = {r["seed"]: r for r in free}
     kept = [r["judge_peak"] - r["judge_final"] <= seed_spread for r in back]
+    again = [r["reevaluated"] for r in back if "reevaluated" in r]
+    kept_again = [a["peak"]["judge"] - a["final"]["judge"] <= seed_spread for a in again]
     above = [r["judge_final"] > by_seed[r["seed"]]["judge_final"] for r in back]
     return {
         "unmitigated": {
@@ -228,6 +277,9 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "exit_code": [r["exit_code"] for r in back],
             "final_within_seed_spread_of_peak": f"{sum(kept)} of {len(back)}",
             "final_above_unmitigated_final": f"{sum(above)} of {len(back)}",
+            "reevaluated_peak": [a["peak"]["judge"] for a in again],
+            "reevaluated_final": [a["final"]["judge"] for a in again],
+            "reevaluated_final_within_seed_spread_of_peak": f"{sum(kept_again)} of {len(again)}",
         },
         "clean": {
             "in_training_flags": [r["flags"] for r in clean],
@@ -303,6 +355,11 @@ def main() -> None:
                 runs[condition].sort(key=lambda r: r["seed"])
                 results[model] = record | progress(runs)
                 write(args.out, results)  # an interrupted bench keeps the runs it made
+        for run in runs["rollback"]:
+            if "reevaluated" not in run:
+                run["reevaluated"] = reevaluate(hackable, work, base, run)
+                results[model] = record | progress(runs)
+                write(args.out, results)
         results[model] = record | progress(runs)
         write(args.out, results)
     print(f"wrote {args.out}", file=sys.stderr)
