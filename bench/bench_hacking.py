@@ -194,10 +194,11 @@ def heldout_file(recipe: Path, work: Path) -> Path:
     return path
 
 
-def reevaluate(recipe: Path, work: Path, base: str, run: dict[str, Any]) -> dict:
-    """The judge on fresh draws for the run's peak checkpoint and its final weights (module
-    docstring): {"peak"|"final": {"judge", "reference", "kl"}}; one audit when they are one."""
-    tag, prompts = f"rollback-s{run['seed']}", heldout_file(recipe, work)
+def reevaluate(recipe: Path, work: Path, base: str, prompts: Path, run: dict[str, Any]) -> dict:
+    """The judge on fresh draws of `prompts` for the run's peak checkpoint and its final weights
+    (module docstring): {"peak"|"final": {"judge", "reference", "kl"}}; one audit when they are
+    one."""
+    tag = f"rollback-s{run['seed']}"
     stage = work / "runs" / tag / "ppo"
     sets = [f"run.output_dir={work / 'runs'}", f"run.name={tag}", f"run.base={base}",
             f"run.seed={REEVAL_SEED}", f"audit.prompts_file={prompts}"]  # fmt: skip
@@ -208,8 +209,10 @@ def reevaluate(recipe: Path, work: Path, base: str, run: dict[str, Any]) -> dict
     figures = {}
     for label, where in weights.items():
         samples = ("--samples", str(REEVAL_SAMPLES))
-        _, _, out = rlhf("audit", str(where), "--recipe", str(recipe), *flags, *samples,
-                         "--json", "--quiet", check=False)  # fmt: skip
+        code, _, out = rlhf("audit", str(where), "--recipe", str(recipe), *flags, *samples,
+                            "--json", "--quiet", check=False)  # fmt: skip
+        if code not in (0, 1):  # 1: the audit flagged; its figures still stand
+            raise SystemExit(f"bench-hacking: rlhf audit {where} failed (exit {code})")
         report = json.loads(out)
         figures[label] = {k: round(report[key], 4) for k, key in (
             ("judge", "judge_policy_mean"), ("reference", "judge_reference_mean"),
@@ -355,9 +358,10 @@ def main() -> None:
                 runs[condition].sort(key=lambda r: r["seed"])
                 results[model] = record | progress(runs)
                 write(args.out, results)  # an interrupted bench keeps the runs it made
-        for run in runs["rollback"]:
-            if "reevaluated" not in run:
-                run["reevaluated"] = reevaluate(hackable, work, base, run)
+        if todo := [run for run in runs["rollback"] if "reevaluated" not in run]:
+            prompts = heldout_file(hackable, work)  # the same for every run of the model
+            for run in todo:
+                run["reevaluated"] = reevaluate(hackable, work, base, prompts, run)
                 results[model] = record | progress(runs)
                 write(args.out, results)
         results[model] = record | progress(runs)
