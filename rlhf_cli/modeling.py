@@ -118,14 +118,15 @@ def load_tokenizer(
 
 def load_policy_tokenizer(model_cfg: ModelSection, source: str, padding_side: str) -> Any:
     """The policy's tokenizer from `source`, with `model.chat_template` set when the recipe
-    names one; with `prompt_format: chat` a tokenizer that still has no chat template is a
-    ModelLoadError (one line naming the choices), never a silent fall-back to plain text."""
-    from rlhf_cli.chat_templates import chat_template_text
+    names one (a built-in's end of turn made one token: `install_chat_template`); with
+    `prompt_format: chat` a tokenizer that still has no chat template is a ModelLoadError (one
+    line naming the choices), never a silent fall-back to plain text."""
+    from rlhf_cli.chat_templates import install_chat_template
 
     path = model_path(source, model_cfg)
     tokenizer = load_tokenizer(path, model_cfg.trust_remote_code, padding_side)
     if model_cfg.chat_template is not None:
-        tokenizer.chat_template = chat_template_text(model_cfg.chat_template)
+        install_chat_template(tokenizer, model_cfg.chat_template)
     if model_cfg.prompt_format == "chat" and not tokenizer.chat_template:
         raise ModelLoadError(
             f"model.prompt_format is chat but the tokenizer of '{source}' has no chat "
@@ -220,7 +221,47 @@ def _load_weights(
         keep_4bit_unpacked(model)
     elif not model_cfg.device_map:
         model.to(device)
+    fit_end_of_turn(model, model_cfg)
     return model
+
+
+def fit_end_of_turn(model: Any, model_cfg: ModelSection) -> None:
+    """`model` fitted to the end-of-turn token that the recipe's built-in chat template adds to
+    the policy's tokenizer (`chat_templates.install_chat_template`): an embedding for it where
+    the base has none (`grow_embeddings`), and the token among its generation config's EOS ids,
+    which every generator stops on (`generation.stop_token_ids`) and saved models carry. Done on
+    every load of the policy's weights (SFT, PPO, critic, audit, merge, serve): they all see
+    the same token id."""
+    from rlhf_cli.chat_templates import END_OF_TURN, end_of_turn_id
+
+    if model_cfg.chat_template not in END_OF_TURN:
+        return
+    source = model_cfg.tokenizer or model_cfg.name_or_path
+    token = end_of_turn_id(
+        load_policy_tokenizer(model_cfg, source, "left"), model_cfg.chat_template
+    )
+    if token is None:
+        return
+    grow_embeddings(model, token + 1)
+    config = getattr(model, "generation_config", None)
+    if config is not None:
+        eos = config.eos_token_id
+        ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        config.eos_token_id = ids if token in ids else [*ids, token]
+
+
+def grow_embeddings(model: Any, vocab: int) -> None:
+    """At least `vocab` rows in `model`'s input (and output) embeddings; the new rows are the
+    mean of the old ones, not random draws (transformers' default): every load of the base then
+    gives the same rows, so an SFT adapter trained over them fits any later load of it."""
+    old = model.get_input_embeddings().num_embeddings
+    if vocab <= old:
+        return
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    with torch.no_grad():
+        for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
+            if layer is not None:
+                layer.weight[old:] = layer.weight[:old].mean(dim=0)
 
 
 def load_causal_lm(
@@ -331,8 +372,11 @@ def with_trained_adapter(sft_model: Any, folder: Path) -> Any:
 
 def save_trained(model: Any, folder: Path) -> None:
     """`model`'s trained weights as `from_pretrained` reads them back: its PPO adapter alone at
-    the folder's root (never the frozen SFT adapter under it), or its whole weights."""
-    extra = {"selected_adapters": [PPO_ADAPTER]} if hasattr(model, "peft_config") else {}
+    the folder's root (never the frozen SFT adapter under it), or its whole weights. An adapter
+    goes without embeddings that a template's token grew (`grow_embeddings`: the same on every
+    load)."""
+    adapter = {"selected_adapters": [PPO_ADAPTER], "save_embedding_layers": False}
+    extra = adapter if hasattr(model, "peft_config") else {}
     model.save_pretrained(folder, state_dict=trainable_state(model), **extra)
 
 

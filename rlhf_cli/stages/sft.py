@@ -168,7 +168,10 @@ def save(
     tokenizer.padding_side = "left"  # what generation needs downstream
     tokenizer.save_pretrained(record.dir / "tokenizer")
     kind = "adapter" if recipe.model.lora.enabled and not recipe.sft.full_finetune else "model"
-    trainer.model.save_pretrained(record.dir / kind)
+    # an adapter without the base's embeddings, also where a template's end-of-turn token grew
+    # them: the new rows are the same on every load of the base (`modeling.grow_embeddings`)
+    extra = {"save_embedding_layers": False} if kind == "adapter" else {}
+    trainer.model.save_pretrained(record.dir / kind, **extra)
     record.manifest["outputs"] = {kind: kind, "tokenizer": "tokenizer", "metrics": "metrics.jsonl"}
     record.manifest["base_model"] = recipe.model.name_or_path
     record.manifest["metrics"] = {
