@@ -17,6 +17,41 @@ from rlhf_cli.recipe.errors import format_errors, printable
 from rlhf_cli.recipe.schema import Recipe
 
 
+class DuplicateKey(ValueError):
+    """A mapping gives one key twice: YAML would keep the last and drop the first unseen."""
+
+    def __init__(self, key: object, first: int, second: int):
+        super().__init__(
+            f"`{key}` is given twice (lines {first} and {second}); YAML keeps only the last"
+        )
+        self.line = second
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key given twice in one mapping, at any depth (keys a
+    merge, `<<`, brings in may be overridden, as YAML means them to be)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise DuplicateKey(key, seen[key], line)
+                seen[key] = line
+            except TypeError:  # a list or a mapping as a key: the base class refuses it
+                break
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(text: str) -> Any:
+    """YAML text as Python values, like `yaml.safe_load`; a key given twice at any depth is a
+    `DuplicateKey` (recipe files and `--set` values alike)."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader: plain values only
+
+
 def default_recipe_path() -> Path:
     """The embedded default, `recipes/tiny.yaml` next to the package."""
     return Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml"
@@ -47,9 +82,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, str
         if not sep or not all(parts):
             raise RecipeError([f"--set {printable(arg)}: write it as dotted.path=value"])
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = read_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        except DuplicateKey as exc:
+            raise RecipeError([f"--set {printable(arg)}: {exc}"]) from None
         if isinstance(value, dict | list) and holds_text(parts):
             value = raw  # `{prompt} ...` or `[wip] ...` meant as text, not YAML's flow style
         node = data
@@ -76,7 +113,9 @@ def parse_recipe(
     one line per problem (naming the file and line, or the `--set` argument)."""
     try:
         root = yaml.compose(text)
-        data = yaml.safe_load(text)
+        data = read_yaml(text)
+    except DuplicateKey as exc:
+        raise RecipeError([f"{source}:{exc.line}: {exc}"]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark else source
