@@ -86,7 +86,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, str
         except yaml.YAMLError:
             value = raw
         except DuplicateKey as exc:
-            raise RecipeError([f"--set {printable(arg)}: {exc}"]) from None
+            if not holds_text(parts):
+                raise RecipeError([f"--set {printable(arg)}: {exc}"]) from None
+            value = raw
         if isinstance(value, dict | list) and holds_text(parts):
             value = raw  # `{prompt} ...` or `[wip] ...` meant as text, not YAML's flow style
         node = data
