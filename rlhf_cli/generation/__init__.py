@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from rlhf_cli.data.prompts import tokenize_prompts
 from rlhf_cli.generation.core import (
     LOGPROB_CHUNK_ROWS,
     Generations,
@@ -31,7 +32,6 @@ from rlhf_cli.generation.core import (
     sampling_warpers,
     score_temperature,
     stop_token_ids,
-    tokenize_prompts,
 )
 from rlhf_cli.generation.hf import HFGenerator
 from rlhf_cli.recipe import GenerationSection

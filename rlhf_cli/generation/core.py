@@ -23,7 +23,6 @@ forward pass scores a token under the distribution it was drawn from:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -37,7 +36,6 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from rlhf_cli.data import as_conversation, prompt_text
 from rlhf_cli.recipe import GenerationSection
 
 
@@ -97,47 +95,6 @@ def row_seed(seed: int, round_: int, row: int) -> int:
 
 
 # ── prompts in, token tensors out ───────────────────────────────────────────────────────────────
-
-
-def tokenize_prompts(
-    tokenizer: Any, prompts: Sequence[str | list[dict[str, str]]], chat: bool, max_tokens: int
-) -> list[list[int]]:
-    """Token ids of each prompt, a text (one user turn) or a conversation (`data.Conversation`):
-    through the chat template with the generation prompt when `chat`, else its text
-    (`data.prompt_text`); at most `max_tokens`. A long prompt loses its oldest turns (a system
-    message stays), then the start of its last turn's text, inside the template: BOS, the chat
-    header and the generation prompt always survive."""
-    return [_prompt_ids(tokenizer, as_conversation(p), chat, max_tokens) for p in prompts]
-
-
-def _prompt_ids(
-    tokenizer: Any, prompt: list[dict[str, str]], chat: bool, max_tokens: int
-) -> list[int]:
-    def wrap(turns: list[dict[str, str]]) -> list[int]:
-        if chat and tokenizer.chat_template:
-            rendered = tokenizer.apply_chat_template(
-                turns, tokenize=False, add_generation_prompt=True
-            )
-            return tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        return tokenizer(prompt_text(turns))["input_ids"]
-
-    ids = wrap(prompt)
-    system = prompt[:1] if prompt[0]["role"] == "system" else []
-    turns = prompt[len(system) :]
-    while len(ids) > max_tokens and len(turns) > 1:  # the oldest turns go first
-        turns = turns[1:]
-        ids = wrap(system + turns)
-    if len(ids) <= max_tokens:
-        return ids
-    *head, last = system + turns
-    text_ids = tokenizer(last["content"], add_special_tokens=False)["input_ids"]
-    budget = max_tokens - (len(ids) - len(text_ids))  # what the template itself takes
-    while budget > 0:  # piece boundaries can tokenise differently: shrink until it fits
-        ids = wrap([*head, {**last, "content": tokenizer.decode(text_ids[-budget:])}])
-        if len(ids) <= max_tokens:
-            return ids
-        budget -= len(ids) - max_tokens
-    return ids[-max_tokens:]  # the template alone is longer than max_tokens
 
 
 def left_pad(queries: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

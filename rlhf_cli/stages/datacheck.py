@@ -8,18 +8,18 @@ from collections.abc import Callable
 from typing import Any
 
 from rlhf_cli.data import load_preferences, load_prompts, load_sft, prompt_text
-from rlhf_cli.data.figures import (
+from rlhf_cli.data.prompts import tokenize_prompts
+from rlhf_cli.errors import DataError, ModelLoadError
+from rlhf_cli.modeling import load_policy_tokenizer, load_tokenizer
+from rlhf_cli.recipe import Recipe
+from rlhf_cli.scoring import RewardScorer
+from rlhf_cli.stages.data_figures import (
     preference_figures,
     prompt_figures,
     reward_tokens,
     sft_figures,
     sft_tokens,
 )
-from rlhf_cli.errors import DataError, ModelLoadError
-from rlhf_cli.generation.core import tokenize_prompts
-from rlhf_cli.modeling import load_policy_tokenizer, load_tokenizer
-from rlhf_cli.recipe import Recipe
-from rlhf_cli.scoring import RewardScorer
 
 
 def check_data(recipe: Recipe, row: int | None, sample: int) -> dict[str, Any]:

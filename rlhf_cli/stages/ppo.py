@@ -20,7 +20,6 @@ from rich.markup import escape
 from safetensors.torch import save_file
 
 from rlhf_cli.data import audit_prompts, load_prompts, prompt_text, split_heldout
-from rlhf_cli.data.figures import prompt_figures
 from rlhf_cli.generation import Generator, require_engine, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
@@ -51,6 +50,7 @@ from rlhf_cli.resume import (
 from rlhf_cli.rundir import InputRecord, Manifest, RunDir
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import seed_everything, start_or_resume
+from rlhf_cli.stages.data_figures import prompt_figures
 from rlhf_cli.stages.trained import (
     frozen_scorer,
     generation_engine,

@@ -24,7 +24,6 @@ from trl.trainer.reward_trainer import DataCollatorForPreference
 from trl.trainer.utils import pad
 
 from rlhf_cli.data import load_preferences, prompt_text, split_eval
-from rlhf_cli.data.figures import preference_figures
 from rlhf_cli.errors import StageError
 from rlhf_cli.model_checks import check_lora_targets
 from rlhf_cli.modeling import (
@@ -42,6 +41,7 @@ from rlhf_cli.resume import trainer_resume_point
 from rlhf_cli.rundir import Manifest, RunDir, atomic_write_json
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import drop_checkpoints, seed_everything
+from rlhf_cli.stages.data_figures import preference_figures
 from rlhf_cli.stages.trainers import (
     StageCallback,
     drop_printer,

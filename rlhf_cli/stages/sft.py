@@ -8,7 +8,6 @@ from typing import Any
 from rich.console import Console
 
 from rlhf_cli.data import Example, load_sft, prompt_text, split_eval
-from rlhf_cli.data.figures import sft_figures
 from rlhf_cli.errors import StageError
 from rlhf_cli.model_checks import check_context, check_vocab
 from rlhf_cli.modeling import (
@@ -23,6 +22,7 @@ from rlhf_cli.record import StageRecord
 from rlhf_cli.resume import trainer_resume_point
 from rlhf_cli.rundir import Manifest, RunDir
 from rlhf_cli.stages.common import drop_checkpoints, seed_everything
+from rlhf_cli.stages.data_figures import sft_figures
 from rlhf_cli.stages.trainers import (
     StageCallback,
     drop_printer,

@@ -5,8 +5,14 @@ Per stage: rows read and kept, the layout of each source, token-length percentil
 and answers against the recipe's limits, how many rows the limits cut or drop and why; for
 preferences the pairs with identical answers and the length bias (how often the chosen answer is
 the longer one: what a reward model learns as a length hack); for PPO prompts the held-out
-prompts that are also training prompts. `marked_*` split one example's tokens into what the
-stage reads as context and what it trains on or scores, so a chat template's effect is visible.
+prompts that are also training prompts, and what the cut to `data.prompts.max_tokens` does
+(tokenised as PPO tokenises, so a template that fails on a prompt fails here first).
+`*_tokens` split one example's tokens into what the stage reads as context and what it trains on
+or scores, so a chat template's effect is visible.
+
+They live beside the commands that print them (`datacheck`) and the stages that record them, not
+in `data/`: they measure the data with the tokenizers, the templates and the reward scorer, which
+all sit above it.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from rlhf_cli.data import (
     prompt_text,
     split_heldout,
 )
-from rlhf_cli.generation.core import tokenize_prompts
+from rlhf_cli.data.prompts import prompt_tokens, tokenize_prompts
 from rlhf_cli.scoring import RewardScorer
 
 SAMPLE = 2000  # rows tokenised for the figures (the first ones); all rows are counted
@@ -148,19 +154,28 @@ def prompt_figures(
     sample: int = SAMPLE,
 ) -> dict[str, Any]:
     """Prompt tokens (chat template and generation prompt included) against
-    `data.prompts.max_tokens` (a longer prompt loses its oldest turns, then its start), the
-    answer budget `max_new_tokens`, and held-out prompts that are training prompts too."""
+    `data.prompts.max_tokens`, cut exactly as PPO cuts them (`data.prompts.prompt_tokens`): how
+    many are cut, how many of those lose their oldest exchanges (and how many exchanges in all),
+    how many the start of their last turn; the answer budget `max_new_tokens`; held-out prompts
+    that are training prompts too. A chat template that fails on a prompt is a `DataError`
+    naming the source and the prompt's place among the kept ones."""
     max_tokens, max_new_tokens = limits
-    lengths = [len(ids) for ids in tokenize_prompts(tokenizer, data.items[:sample], chat, 10**9)]
+    where = f"{', '.join(data.layouts)}: kept prompt"
+    tokens = prompt_tokens(tokenizer, data.items[:sample], chat, max_tokens, where)
     train, heldout = split_heldout(data.items, eval_fraction)
     return {
         **_base(data, sample),
-        "prompt_tokens": percentiles(lengths),
+        "prompt_tokens": percentiles([t.full_tokens for t in tokens]),
         "limits": {
             "data.prompts.max_tokens": max_tokens,
             "ppo.generation.max_new_tokens": max_new_tokens,
         },
-        "over_limit": {"cut at data.prompts.max_tokens": sum(n > max_tokens for n in lengths)},
+        "over_limit": {
+            "cut at data.prompts.max_tokens": sum(t.full_tokens > max_tokens for t in tokens),
+            "of them lose their oldest exchanges": sum(t.exchanges_dropped > 0 for t in tokens),
+            "of them lose the start of their last turn": sum(t.text_cut for t in tokens),
+        },
+        "exchanges_dropped": sum(t.exchanges_dropped for t in tokens),
         "train": len(train),
         "heldout": len(heldout),
         "heldout_also_in_train": overlap(train, heldout),
