@@ -1,6 +1,8 @@
-"""`rlhf validate --data`: each stage's data and tokenizer loaded (no model weights), and the
-figures of `datacheck` per stage, with one example's tokens marked when asked; a stage that
-would get no rows (or cannot read its data) is reported and fails the check (exit 2)."""
+"""`rlhf validate --data`: each stage's data and tokenizer loaded (no model weights), and its
+figures (`data_figures`, tokenised as the stage tokenises: PPO's prompts cut to
+`data.prompts.max_tokens` through the chat template), with one example's tokens marked when
+asked; a stage that would get no rows, cannot read its data or whose chat template fails on a
+row is reported and fails the check (exit 2)."""
 
 from __future__ import annotations
 
