@@ -17,9 +17,10 @@ must fit is model_checks.py.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +28,13 @@ from torch import Tensor, nn
 from rlhf_cli.errors import ModelLoadError
 from rlhf_cli.generation import forward_logits
 from rlhf_cli.model_checks import check_lora_targets
-from rlhf_cli.recipe import BUILTIN_PREFIX, LoraSection, ModelSection, QuantizationSection
+from rlhf_cli.recipe import (
+    BUILTIN_PREFIX,
+    LoraSection,
+    ModelSection,
+    QuantizationSection,
+    Recipe,
+)
 from rlhf_cli.tiny import BUILTINS, check_builtin, gguf_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,6 +69,34 @@ def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def check_devices(recipe: Recipe, *generating: Literal["ppo", "audit"]) -> None:
+    """Every GPU that a stage loading the policy uses is one this process sees, checked when
+    the stage starts, before any model loads (else transformers fails mid-load, vLLM once the
+    policy is loaded): a `model.device_map` of `cuda:N`, and the `tensor_parallel_size` of a
+    colocated vLLM engine of the sections the stage generates with, `generating` (on CUDA; on
+    the CPU it counts processes). A ModelLoadError names the field and the GPUs seen."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    seen = {0: "no CUDA GPU", 1: "1 GPU (cuda:0)"}.get(
+        gpus, f"{gpus} GPUs (cuda:0 to cuda:{gpus - 1})"
+    )
+    named = re.fullmatch(r"cuda(?::(\d+))?", recipe.model.device_map or "")
+    if named and int(named[1] or 0) >= gpus:
+        fix = "name one of them, or auto" if gpus else "set it to auto or cpu"
+        raise ModelLoadError(
+            f"model.device_map is {recipe.model.device_map} but this process sees {seen}: {fix}"
+        )
+    if recipe.run.device == "cpu" or not gpus:
+        return
+    for section in generating:
+        gen = recipe.ppo.generation if section == "ppo" else recipe.audit.generation
+        size = gen.vllm.tensor_parallel_size
+        if gen.backend == "vllm" and size > gpus:
+            raise ModelLoadError(
+                f"{section}.generation.vllm.tensor_parallel_size is {size} but this process "
+                f"sees {seen}: make it at most {gpus}"
+            )
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

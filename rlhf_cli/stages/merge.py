@@ -25,6 +25,7 @@ from rlhf_cli.data import audit_prompts
 from rlhf_cli.errors import MergeMismatch, StageError
 from rlhf_cli.generation import forward_logits, left_pad, tokenize_prompts
 from rlhf_cli.modeling import (
+    check_devices,
     load_policy_tokenizer,
     load_sft_model,
     pick_device,
@@ -168,6 +169,7 @@ def run_merge(
         recipe, run, stage, checkpoint
     )
     device = pick_device("cpu" if recipe.merge.device == "cpu" else recipe.run.device)
+    check_devices(recipe)
     dtype = resolve_dtype(recipe.merge.dtype, device)
     model_cfg = merge_model_config(recipe, load_dtype(base, dtype))
     with StageRecord(run, "merged", recipe, inputs=inputs) as record:

@@ -8,9 +8,11 @@ from typing import Any
 from rich.console import Console
 
 from rlhf_cli.data import Example, load_sft, prompt_text, split_eval
+from rlhf_cli.data.figures import sft_figures
 from rlhf_cli.errors import StageError
 from rlhf_cli.model_checks import check_context, check_vocab
 from rlhf_cli.modeling import (
+    check_devices,
     load_causal_lm,
     load_policy_tokenizer,
     pick_device,
@@ -22,7 +24,6 @@ from rlhf_cli.record import StageRecord
 from rlhf_cli.resume import trainer_resume_point
 from rlhf_cli.rundir import Manifest, RunDir
 from rlhf_cli.stages.common import drop_checkpoints, seed_everything
-from rlhf_cli.stages.data_figures import sft_figures
 from rlhf_cli.stages.trainers import (
     StageCallback,
     drop_printer,
@@ -45,6 +46,7 @@ def run_sft(recipe: Recipe, console: Console, resume: bool = False) -> Manifest:
             f"model.name_or_path ({recipe.model.name_or_path}) directly"
         )
     run = RunDir.for_recipe(recipe)
+    check_devices(recipe)
     is_main = PartialState().is_main_process
     seed_everything(recipe.run.seed)
     trackers = Trackers.for_stage(recipe.run, "sft", run.stage_dir("sft"))
