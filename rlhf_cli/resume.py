@@ -6,7 +6,8 @@ whether what a checkpoint or result was made from still stands.
 <stage>/checkpoints/checkpoint-N/     the TRL Trainer's (sft, rm)
 ```
 A folder counts by its prefix and number; `newest_whole` picks the newest that a stage's
-`problem` check finds whole, skipping damaged ones with a note.
+`problem` check finds whole, skipping damaged ones and the ones a rollback undid (`mark_undone`)
+with a note.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.errors import StageError
-from rlhf_cli.rundir import InputRecord, Manifest, RunDir, file_sha256
+from rlhf_cli.rundir import InputRecord, Manifest, RunDir, atomic_write_json, file_sha256
 
 RESUMABLE = {"sft", "rm", "ppo"}  # stages whose command takes --resume
 PPO_CHECKPOINT, TRAINER_CHECKPOINT = "iter_", "checkpoint-"  # + the iteration / step number
 CHECKPOINT_PREFIXES = (PPO_CHECKPOINT, TRAINER_CHECKPOINT)
 PPO_INDEX = "checkpoint.json"  # a PPO checkpoint's file list and checksums, written last
+UNDONE = "undone.json"  # in a PPO checkpoint a rollback threw away: which rollback, and to what
 
 
 def checkpoint_folders(root: Path, prefix: str) -> list[Path]:
@@ -39,11 +41,35 @@ def newest_whole(
     (None), and a note for each newer one skipped."""
     notes = []
     for folder in reversed(checkpoint_folders(root, prefix)):
+        undone = undone_by(folder)
+        if undone is not None:
+            notes.append(f"checkpoint {folder.name} was {undone}; skipped")
+            continue
         why = problem(folder)
         if why is None:
             return folder, notes
         notes.append(f"checkpoint {folder.name} is corrupt ({why}); skipped")
     return None, notes
+
+
+def mark_undone(folder: Path, iteration: int, restored: int) -> None:
+    """Mark checkpoint `folder` as undone by the rollback at iteration `iteration`, which
+    restored iteration `restored`'s weights: `--resume` (`newest_whole`), a later rollback and
+    `--checkpoint best` never pick it again; `--checkpoint iter_N` still reads it, to look at
+    what was undone."""
+    atomic_write_json(folder / UNDONE, {"rollback_at": iteration, "restored": restored})
+
+
+def undone_by(folder: Path) -> str | None:
+    """What undid checkpoint `folder` ("undone by the rollback at iteration N"), or None when
+    no rollback did."""
+    if not (folder / UNDONE).exists():
+        return None
+    try:
+        at = json.loads((folder / UNDONE).read_text())["rollback_at"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return "undone by a rollback"
+    return f"undone by the rollback at iteration {at}"
 
 
 def resume_point(
@@ -181,6 +207,12 @@ def named_checkpoint(ppo_dir: Path, name: str) -> Path | None:
     if not folder.is_dir():
         saved = ", ".join(f.name for f in checkpoint_folders(root, PPO_CHECKPOINT)) or "none"
         raise StageError(f"{folder} does not exist (checkpoints: {saved})")
+    undone = undone_by(folder) if name == "best" else None
+    if undone is not None:
+        raise StageError(
+            f"{root / BEST_CHECKPOINT} names {folder.name}, which was {undone}: name the "
+            "checkpoint instead, --checkpoint iter_N"
+        )
     return folder
 
 

@@ -3,6 +3,13 @@ the global batch's: a run on N processes takes the optimiser steps of one proces
 batch (tests/stages/test_sharded_ppo.py checks it under DDP, FSDP2 and ZeRO).
 
 Process `rank` of `world` holds rows rank, rank + world, ... of the global batch.
+
+Every decision that all processes act on is agreed here, never in its caller, and each of these
+is a collective every process reaches at the same point: `main_decides` (what the main process
+alone measured or keeps: the audit's flags, the held-out evaluation, the best checkpoint, a
+rollback's target, a non-finite stop), `any_process` (a signal any process may receive: a stop
+asked for) and `answered_everywhere` (generation that may fail on one process only: a lost
+rollout server ends every process's run, together).
 """
 
 from __future__ import annotations
@@ -10,16 +17,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
+from accelerate.utils import broadcast_object_list, gather_object
 from torch import Tensor
 
-from rlhf_cli.errors import ProcessLostError
+from rlhf_cli.errors import GenerationServerLost, ProcessLostError
 from rlhf_cli.ppo import core
 from rlhf_cli.resume import PPO_CHECKPOINT, checkpoint_folders
 
 GlobalRows = Callable[[Callable[[Tensor], Tensor], Tensor], Tensor]
+T = TypeVar("T")
 
 
 def prompt_rows(
@@ -126,6 +135,34 @@ def global_max(acc: Any, values: dict[str, float]) -> dict[str, float]:
 def any_process(acc: Any, flag: bool) -> bool:
     """Whether `flag` holds on any process (every process must call it)."""
     return bool(acc.reduce(torch.tensor(float(flag), device=acc.device), "max").item())
+
+
+def main_decides(acc: Any, decide: Callable[[], T]) -> T:
+    """`decide()` on the main process, its answer on every process (a broadcast every process
+    must reach at the same point): a decision taken from what the main process alone holds (its
+    audit report, the evaluations it logged, `run.best`, the checkpoints it wrote) is acted on
+    alike everywhere. The others never call `decide`."""
+    if acc.num_processes == 1:
+        return decide()
+    return broadcast_object_list([decide() if acc.is_main_process else None])[0]
+
+
+def answered_everywhere(acc: Any, generate: Callable[[], T]) -> T:
+    """`generate()` on this process, then one collective every process reaches whether its own
+    call failed or not: a rollout server lost on any process (`GenerationServerLost`) is raised
+    on every process, with the first such process's message, so that all of them take the
+    lost-server path (checkpoint, exit 2) together instead of one waiting in a checkpoint's
+    barrier while the others wait in the rollout's gather."""
+    answer, failure = None, None
+    try:
+        answer = generate()
+    except GenerationServerLost as exc:
+        failure = str(exc)
+    if acc.num_processes > 1:
+        failure = next((f for f in gather_object([failure]) if f is not None), None)
+    if failure is not None:
+        raise GenerationServerLost(failure)
+    return answer
 
 
 def scalar(x: Any) -> float:

@@ -25,6 +25,7 @@ from rlhf_cli.ppo.distributed import (
     global_max,
     global_rows,
     global_sum,
+    main_decides,
     minibatch_rows,
     minibatch_shares,
     scalar,
@@ -51,7 +52,9 @@ from rlhf_cli.tracking import make_progress
 def train(run: PPORun, start_iteration: int = 0) -> dict[str, Any]:
     """Run iterations `start_iteration+1 .. ppo.iterations`; return a summary. Ctrl-C or
     SIGTERM finishes the iteration and checkpoints; divergence checkpoints and raises; a
-    rollout server lost for good checkpoints the last whole iteration and raises."""
+    rollout server lost for good (to any process: every process raises it at the same point)
+    checkpoints the last whole iteration and raises; a rollback is checkpointed at once. What
+    one process decides for all is agreed first (distributed.py)."""
     cfg, acc, logs = run.recipe.ppo, run.accelerator, run.logs
     progress = make_progress(logs.console)
     nonfinite_streak = 0
@@ -82,7 +85,8 @@ def train(run: PPORun, start_iteration: int = 0) -> dict[str, Any]:
             progress.update(task, completed=iteration, info=progress_info(metrics))
             if iteration - start_iteration == WINDOW_STEPS:
                 close_window()  # the steady state's peak is counted (record.py)
-            if nonfinite_streak >= cfg.max_nonfinite:
+            diverged = nonfinite_streak >= cfg.max_nonfinite
+            if main_decides(acc, lambda: diverged):  # noqa: B023 - called at once
                 checkpoint(run, iteration)
                 raise NonFiniteError(
                     f"{nonfinite_streak} iterations in a row had non-finite rewards or losses; "
@@ -90,11 +94,17 @@ def train(run: PPORun, start_iteration: int = 0) -> dict[str, Any]:
                     "ppo.learning_rate, raise ppo.init_kl_coef, check the reward model's scores"
                 )
             stop_now = any_process(acc, stop.requested)
-            save_now = iteration % cfg.save_freq == 0 or iteration == cfg.iterations or stop_now
+            rolled_back = "audit/rollback" in metrics  # its undone checkpoints never resume
+            save_now = (
+                iteration % cfg.save_freq == 0
+                or iteration == cfg.iterations
+                or stop_now
+                or rolled_back
+            )
             if save_now:
                 stop.saved = f"{checkpoint(run, iteration).name} (iteration {iteration})"
                 saved = iteration
-            if "audit/rollback" not in metrics:  # evaluated weights that still stand
+            if not rolled_back:  # evaluated weights that still stand
                 keep_best(run, iteration, metrics, saved=save_now)
             if stop_now:
                 raise KeyboardInterrupt(f"checkpoint {stop.saved} saved")

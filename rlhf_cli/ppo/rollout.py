@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,7 +36,7 @@ from rlhf_cli.generation import (
 )
 from rlhf_cli.modeling import Reference
 from rlhf_cli.ppo.core import RunningMoments
-from rlhf_cli.ppo.distributed import prompt_rows
+from rlhf_cli.ppo.distributed import answered_everywhere, prompt_rows
 from rlhf_cli.ppo.experience import Draft, Rollout
 from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.ppo.run import PPORun
@@ -76,24 +77,18 @@ def collect_rollout(run: PPORun, iteration: int) -> Rollout:
     With `generation.async_steps` N >= 1 the answers were asked for up to N iterations ago
     (`Draft`); once they are in, the latest weights go to the servers and the rollouts of the
     next N iterations are asked for, answered while this one is scored and trained on. The
-    first iteration (and the first after a resume) is generated from the latest weights."""
-    cfg, acc, models, drafts = run.recipe.ppo, run.accelerator, run.models, run.drafts
-    ahead, kl_coef = cfg.generation.async_steps, run.state.kl_ctl.value
+    first iteration (and the first after a resume) is generated from the latest weights.
+
+    Generation may fail on one process only (a rollout server lost to it): every process learns
+    of it before the first collective of the scoring (`distributed.answered_everywhere`)."""
+    cfg, acc, models = run.recipe.ppo, run.accelerator, run.models
+    kl_coef = run.state.kl_ctl.value
     with acc.autocast(), models.engine.gathered(models.actor) as actor:
         start = time.perf_counter()
-        draft = drafts.pending.pop(iteration, None)
-        synced = draft is None
-        if draft is None:
-            models.generator.sync(actor.policy)  # a separate engine gets the latest weights
-            draft = ask_rollout(run, iteration)
-        answers, generating = draft.answers.result()
+        draft, answers, generating = answered_everywhere(
+            acc, lambda: answered_draft(run, iteration, actor.policy)
+        )
         waited = time.perf_counter() - start
-        if ahead:
-            if not synced:
-                models.generator.sync(actor.policy)
-            for later in range(iteration + 1, min(iteration + ahead, cfg.iterations) + 1):
-                if later not in drafts.pending:
-                    drafts.pending[later] = ask_rollout(run, later, version=iteration - 1)
         rollout = rollout_batch(
             actor,
             models.reference if kl_coef > 0 else None,
@@ -109,6 +104,27 @@ def collect_rollout(run: PPORun, iteration: int) -> Rollout:
     rollout.timings["time/generate_s"] = generating  # what answering them took
     rollout.staleness = iteration - 1 - draft.version
     return rollout
+
+
+def answered_draft(run: PPORun, iteration: int, policy: Any) -> tuple[Draft, Generations, float]:
+    """Iteration `iteration`'s draft, answered (by `policy`, the latest weights, unless it was
+    asked for ahead), with its answers and the seconds they took; with `async_steps` the later
+    iterations' drafts are asked for, from `policy`. Generation alone: no collective."""
+    cfg, generator, drafts = run.recipe.ppo, run.models.generator, run.drafts
+    draft = drafts.pending.pop(iteration, None)
+    synced = draft is None
+    if draft is None:
+        generator.sync(policy)  # a separate engine gets the latest weights
+        draft = ask_rollout(run, iteration)
+    answers, generating = draft.answers.result()
+    if cfg.generation.async_steps:
+        if not synced:
+            generator.sync(policy)
+        last = min(iteration + cfg.generation.async_steps, cfg.iterations)
+        for later in range(iteration + 1, last + 1):
+            if later not in drafts.pending:
+                drafts.pending[later] = ask_rollout(run, later, version=iteration - 1)
+    return draft, answers, generating
 
 
 def ask_rollout(run: PPORun, iteration: int, version: int | None = None) -> Draft:

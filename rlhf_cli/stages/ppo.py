@@ -31,7 +31,7 @@ from rlhf_cli.modeling import (
 )
 from rlhf_cli.ppo import core
 from rlhf_cli.ppo.checkpoint import TrainState, checkpoint_state, load_checkpoint
-from rlhf_cli.ppo.distributed import lost_process_as_error
+from rlhf_cli.ppo.distributed import lost_process_as_error, main_decides
 from rlhf_cli.ppo.health import HealthMonitor
 from rlhf_cli.ppo.logs import RunLogs, summarize
 from rlhf_cli.ppo.loop import train
@@ -46,6 +46,7 @@ from rlhf_cli.resume import (
     check_same_inputs,
     ppo_checkpoint_problem,
     resume_point,
+    undone_by,
 )
 from rlhf_cli.rundir import InputRecord, Manifest, RunDir
 from rlhf_cli.scoring import RewardScorer
@@ -208,7 +209,7 @@ def setup(
         queries=queries,
         stage_dir=stage_dir,
         inputs=record.manifest["inputs"],
-        **watch_from(checkpoint[0] if start else None),
+        **main_decides(accelerator, lambda: watch_from(checkpoint[0] if start else None)),
     )
     return ppo, start
 
@@ -216,15 +217,17 @@ def setup(
 def watch_from(folder: Path | None) -> dict[str, Any]:
     """What a resume takes over from checkpoint `folder` besides the training state: the
     rollbacks made so far (`audit.max_rollbacks` counts across it) and the best evaluated
-    checkpoint when it is not newer than `folder` (a damaged best.json is dropped: the next
-    evaluation names a best again)."""
+    checkpoint when it is not newer than `folder` and no rollback undid it (a damaged best.json
+    is dropped: the next evaluation names a best again). The main process's reading is every
+    process's."""
     if folder is None:
         return {}
     saved = checkpoint_state(folder)
     watch: dict[str, Any] = {"rollbacks": saved.get("rollbacks") or []}
     try:
         best = json.loads((folder.parent / BEST_CHECKPOINT).read_text())
-        if best["iteration"] <= saved["iteration"] and isinstance(best["checkpoint"], str):
+        named = folder.parent / best["checkpoint"]
+        if best["iteration"] <= saved["iteration"] and undone_by(named) is None:
             watch["best"] = best
     except (OSError, ValueError, KeyError, TypeError):
         pass  # none kept, or not readable
