@@ -19,18 +19,26 @@ turn, system message included, and the answer is that turn. SFT trains on the an
 prompt, the reward model scores the answer after the prompt's text (`prompt_text`), and PPO
 generates from the prompt through the policy's chat template: the three see the same prompt.
 
+A mixture's weights apply after the train / held-out split (`hold_out`): the rows are drawn
+first, then each source's training rows are repeated (or a seeded share kept), so no copy of a
+held-out row trains. Rows the data holds twice can still land on both sides: they are counted and
+warned about, for every stage.
+
 The package: `rows` (rows, what each stage makes of them, conversations), `layouts`
-(detection and each stage's conversion), `sources` (reading files and hub datasets), `figures`
-(what a stage's data looks like in tokens: `rlhf validate --data` and the manifests), and here
-each stage's loader, the splits, and the audit's prompts and responses.
+(detection and each stage's conversion), `sources` (reading files and hub datasets), `prompts`
+(a prompt in tokens, as the policy generates from it), and here each stage's loader, the splits,
+and the audit's prompts and responses. What a stage's data looks like in tokens (`rlhf validate
+--data`, the manifests) is measured beside that command, in `stages/data_figures.py`.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rlhf_cli.data.layouts import example_of, pair_of, prompt_of, source_layout
 from rlhf_cli.data.rows import (
@@ -41,10 +49,11 @@ from rlhf_cli.data.rows import (
     Row,
     StageData,
     T,
+    Unusable,
     as_conversation,
     prompt_text,
 )
-from rlhf_cli.data.sources import json_lines, read_source, read_text, slice_rows, weighted
+from rlhf_cli.data.sources import copies, json_lines, read_source, read_text, slice_rows
 from rlhf_cli.errors import DataError
 from rlhf_cli.recipe import AuditSection, PromptSource, StageSource
 
@@ -56,22 +65,31 @@ def _load(
     cache_dir: str | Path | None,
     limit: int | None,
 ) -> StageData[T]:
-    """Every source of a stage's data, each checked for one layout and converted row by row."""
+    """Every source of a stage's data, each checked for one layout and converted row by row (an
+    `Unusable` row dropped and counted); each row once, its source's weight kept for
+    `hold_out`."""
     out: StageData[T] = StageData([])
-    for spec in source.parts():
+    for index, spec in enumerate(source.parts()):
         rows, sampled = read_source(spec, cache_dir, limit)
         out.layouts[spec.where()] = source_layout(rows, stage, spec.where())
         out.rows += len(rows)
         out.sampled = out.sampled or sampled
-        out.items += weighted([convert(row) for row in rows], spec.weight)
+        out.weights.append(spec.weight)
+        for row in rows:
+            try:
+                out.items.append(convert(row))
+                out.origins.append(index)
+            except Unusable as exc:
+                out.dropped[exc.reason] = out.dropped.get(exc.reason, 0) + 1
     return out
 
 
 def _drop(data: StageData[T], keep: Callable[[T], bool], reason: str) -> None:
-    kept = [item for item in data.items if keep(item)]
+    kept = [i for i, item in enumerate(data.items) if keep(item)]
     if len(kept) < len(data.items):
         data.dropped[reason] = data.dropped.get(reason, 0) + len(data.items) - len(kept)
-    data.items = kept
+    data.items = [data.items[i] for i in kept]
+    data.origins = [data.origins[i] for i in kept]
 
 
 def load_sft(
@@ -96,8 +114,11 @@ def load_preferences(
     dropped (they teach nothing), and none left is an error."""
     data = _load(source, "preferences", pair_of, cache_dir, limit)
     _drop(data, lambda p: p.chosen.strip() != p.rejected.strip(), "identical answers")
-    if not data.items:
+    if not data.items and set(data.dropped) == {"identical answers"}:
         raise DataError(f"{source.where()}: every pair's chosen and rejected answers are the same")
+    if not data.items:
+        reasons = "; ".join(f"{n} with {reason}" for reason, n in data.dropped.items())
+        raise DataError(f"{source.where()}: no pair is left ({reasons})")
     return data
 
 
@@ -159,10 +180,44 @@ def split_eval(rows: list[T], fraction: float, seed: int) -> tuple[list[T], list
     return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]
 
 
-def overlap(train: list[Conversation], heldout: list[Conversation]) -> int:
-    """Held-out prompts whose text is also a training prompt (duplicates in the data)."""
-    seen = Counter(prompt_text(p) for p in train)
-    return sum(1 for p in heldout if seen[prompt_text(p)])
+def hold_out(
+    data: StageData[T], fraction: float, seed: int | None = None
+) -> tuple[list[T], list[T]]:
+    """(training items, held-out items): the rows are split first (`split_eval`'s draw with
+    `seed`, for SFT and the reward model; PPO's fixed draw, `split_heldout`, without), then each
+    source's training rows are taken `weight` times (`sources.copies`), in the split's order;
+    held-out rows once each. Held-out rows that are training rows too (the data holds them
+    twice) are counted in a warning (`data.warnings`)."""
+    rows = list(range(len(data.items)))
+    train, heldout = (
+        split_heldout(rows, fraction) if seed is None else split_eval(rows, fraction, seed)
+    )
+    times: dict[int, int] = {}
+    for index, weight in enumerate(data.weights):
+        mine = [i for i in train if data.origins[i] == index]
+        times.update(zip(mine, copies(len(mine), weight), strict=True))
+    train_items = [data.items[i] for i in train for _ in range(times[i])]
+    heldout_items = [data.items[i] for i in heldout]
+    repeated = overlap(train_items, heldout_items)
+    warning = (
+        f"{repeated} of {len(heldout_items)} held-out rows of {' + '.join(data.layouts)} are "
+        "training rows too (the data holds them twice): the held-out figures read high; remove "
+        "the duplicates"
+    )
+    if repeated and warning not in data.warnings:  # the same split again: the same warning
+        data.warnings.append(warning)
+    return train_items, heldout_items
+
+
+def overlap(train: list[Any], heldout: list[Any]) -> int:
+    """Held-out items that are also training items (rows the data holds twice): prompts,
+    examples or pairs, compared whole."""
+    seen = Counter(map(_identity, train))
+    return sum(1 for item in heldout if seen[_identity(item)])
+
+
+def _identity(item: Any) -> str:
+    return json.dumps(item, default=vars, sort_keys=True)
 
 
 # ── audit prompts and responses ─────────────────────────────────────────────────────────────────
@@ -207,6 +262,7 @@ __all__ = [
     "StageData",
     "as_conversation",
     "audit_prompts",
+    "hold_out",
     "load_preferences",
     "load_prompts",
     "load_sft",

@@ -11,7 +11,9 @@ from rlhf_cli.data.rows import (
     Example,
     Pair,
     Row,
+    Unusable,
     answer_text,
+    blank,
     hh_messages,
     messages,
     nonempty,
@@ -107,8 +109,10 @@ def source_layout(rows: list[Row], stage: str, where: str) -> str:
 
 
 def _with_system(prompt: Conversation, values: dict[str, Any], where: str) -> Conversation:
+    """The prompt opened by the `system` column; an empty one is none (ShareGPT and Orca sets
+    hold many)."""
     system = values.get("system")
-    if system is None or (prompt and prompt[0]["role"] == "system"):
+    if blank(system) or (prompt and prompt[0]["role"] == "system"):
         return prompt
     return [{"role": "system", "content": nonempty(system, where, "system")}, *prompt]
 
@@ -145,27 +149,33 @@ def pair_of(row: Row) -> Pair:
         sides = [messages(v[k], where, k) for k in ("chosen", "rejected")]
     prompt, chosen = split_answer(sides[0], where, "chosen")
     other, rejected = split_answer(sides[1], where, "rejected")
-    if prompt != other:
-        raise DataError(f"{where}: `chosen` and `rejected` differ before their last assistant turn")
+    if prompt != other:  # one dialogue going on past the other's answer too
+        raise Unusable(DIFFERENT_PROMPTS)
     return Pair(_with_system(prompt, v, where), chosen, rejected)
 
 
+DIFFERENT_PROMPTS = "`chosen` and `rejected` differ before their last assistant turn"
+NO_CUT = "`chosen` or `rejected` is the start of the other (no prompt to cut off)"
+
+
 def _text_pair(chosen: str, rejected: str, where: str) -> Pair:
-    """TRL's implicit prompt for texts: the answers' longest shared start (a space at the cut
-    stays with the answers)."""
-    n = 0
-    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-        n += 1
-    while n and not chosen[n - 1].isspace() and n < len(chosen):
-        n -= 1  # cut at a word boundary: a shared first letter is not a prompt
+    """TRL's implicit prompt for texts: the answers' longest shared start, cut back to a word
+    boundary that leaves text in both answers (a space at the cut stays with the answers). A
+    pair where one text is the other's start with no such boundary is `Unusable`."""
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    n = shared
+    while n and not (chosen[n - 1].isspace() and chosen[n:].strip() and rejected[n:].strip()):
+        n -= 1  # a shared first letter is not a prompt, and neither is a whole answer
     if not chosen[:n].strip():
+        if chosen.startswith(rejected.rstrip()) or rejected.startswith(chosen.rstrip()):
+            raise Unusable(NO_CUT)
         raise DataError(
             f"{where}: `chosen` and `rejected` share no start to take as the prompt; name the "
             "prompt column (`columns: {prompt: ...}`)"
         )
-    answers = (nonempty(text[n:], where, key) for text, key in
-               ((chosen, "chosen"), (rejected, "rejected")))  # fmt: skip
-    return Pair(user_turn(chosen[:n].strip()), *(a.strip() for a in answers))
+    return Pair(user_turn(chosen[:n].strip()), chosen[n:].strip(), rejected[n:].strip())
 
 
 def prompt_of(row: Row) -> Conversation:
@@ -176,10 +186,18 @@ def prompt_of(row: Row) -> Conversation:
         return _prompted(v, where)
     if _has(v, "messages"):
         conversation = messages(v["messages"], where, "messages")
-        if conversation[-1]["role"] != "assistant":
-            return _with_system(conversation, v, where)
-        return _with_system(split_answer(conversation, where, "messages")[0], v, where)
+        return _with_system(_before_answer(conversation, where, "messages"), v, where)
     if _hh(v):  # a dialogue alone (HH-RLHF's `chosen` without its pair) has its prompt too
         dialogue = hh_messages(v["chosen"], where, "chosen")
-        return _with_system(split_answer(dialogue, where, "chosen")[0], v, where)
+        return _with_system(_before_answer(dialogue, where, "chosen"), v, where)
     return pair_of(row).prompt
+
+
+def _before_answer(conversation: Conversation, where: str, column: str) -> Conversation:
+    """A conversation's prompt: the messages before its final assistant turn, if it has one
+    (the answer, empty or not, is not read: PPO generates its own)."""
+    ends = conversation and conversation[-1]["role"] == "assistant"
+    prompt = conversation[:-1] if ends else conversation
+    if not any(m["role"] == "user" for m in prompt):
+        raise DataError(f"{where}: column `{column}` has no user turn before its answer")
+    return prompt

@@ -46,10 +46,20 @@ class Pair:
     rejected: str
 
 
+class Unusable(Exception):
+    """A row the stage cannot use that is no mistake of the source's layout (a pair whose
+    answers cannot be told apart): dropped and counted under `reason`, as other dropped rows."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass
 class StageData(Generic[T]):
     """What a stage reads: its items, and how they were got (the data check and the manifest
-    show these)."""
+    show these). Each kept row is one item, whatever its source's weight: weights apply after
+    the train / held-out split (`data.hold_out`), so no copy of a held-out row trains."""
 
     items: list[T]
     rows: int = 0  # rows read
@@ -57,6 +67,9 @@ class StageData(Generic[T]):
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows
     cut: dict[str, int] = field(default_factory=dict)  # reason -> rows shortened
     sampled: bool = False  # a hub source was read only in part (`limit`)
+    origins: list[int] = field(default_factory=list)  # per item: its source's index in `weights`
+    weights: list[float] = field(default_factory=list)  # per source: its `weight`
+    warnings: list[str] = field(default_factory=list)  # for the stage's manifest (`hold_out`)
 
     def summary(self) -> dict[str, Any]:
         return {"rows_read": self.rows, "kept": len(self.items), "layouts": self.layouts,
@@ -141,6 +154,11 @@ def describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+def blank(value: Any) -> bool:
+    """Whether an optional value is absent: nothing, or a text of white space only."""
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
 def nonempty(value: Any, where: str, column: str, expected: str = "text") -> str:
     if not isinstance(value, str) or not value.strip():
         raise DataError(f"{where}: column `{column}` holds {describe(value)}; expected {expected}")
@@ -176,6 +194,8 @@ def messages(value: Any, where: str, column: str) -> Conversation:
                 f"expected one of {', '.join(sorted(set(ROLES.values())))}"
             )
         content = _content(message.get("content", message.get("value")), where, label)
+        if ROLES[role] == "system" and blank(content):
+            continue  # an empty system message is none (ShareGPT and Orca sets hold many)
         out.append({"role": ROLES[role], "content": content})
     return out
 

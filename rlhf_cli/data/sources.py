@@ -1,13 +1,14 @@
 """Reading a source: local JSON Lines, JSON, CSV, Parquet and text files (or globs of them)
-or a hub dataset (streamed when sampled); the split's slice, `max_samples`, the `columns`
-mapping and the usual aliases; a mixture's weights."""
+or a hub dataset (streamed when sampled, with the rows training reads); the split's slice,
+`max_samples`, the `columns` mapping and the usual aliases; a mixture's weights."""
 
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +42,33 @@ def json_lines(
     path: Path, not_json: Callable[[json.JSONDecodeError], str]
 ) -> Iterator[tuple[int, Any]]:
     """Each non-blank line of a UTF-8 file, parsed, with its 1-based number; a line that is
-    not JSON is a DataError `path:line: not_json(error)`."""
+    not JSON is a DataError `path:line: not_json(error)`, and so is an object that gives a key
+    twice (JSON keeps the last)."""
     for number, line in enumerate(read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
+            value = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as exc:
             raise DataError(f"{path}:{number}: {not_json(exc)}") from None
+        except _DuplicateKey as exc:
+            raise DataError(f"{path}:{number}: {exc}") from None
         yield number, value
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused when it gives one key twice (the first value would be dropped
+    unseen)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"key `{key}` is given twice in one object; JSON keeps the last")
+        out[key] = value
+    return out
 
 
 def _jsonl_rows(path: Path) -> list[Row]:
@@ -70,9 +89,11 @@ def _text_rows(path: Path) -> list[Row]:
 def _json_rows(path: Path) -> list[Row]:
     """A .json file: a list of objects, or JSON Lines under a .json name."""
     try:
-        value = json.loads(read_text(path))
+        value = json.loads(read_text(path), object_pairs_hook=_unique_keys)
     except json.JSONDecodeError:
         return _jsonl_rows(path)
+    except _DuplicateKey as exc:
+        raise DataError(f"{path}: {exc}") from None
     if not isinstance(value, list):
         raise DataError(f"{path}: expected a list of objects (or one JSON object a line)")
     for number, values in enumerate(value, start=1):
@@ -83,8 +104,6 @@ def _json_rows(path: Path) -> list[Row]:
 
 def _library_rows(load: Callable[[], Any], what: str, limit: int | None) -> list[Row]:
     """Rows through `datasets` (Parquet, CSV, the hub), the first `limit` when streaming."""
-    import itertools
-
     try:
         ds = load()
         values = list(itertools.islice(ds, limit)) if limit else ds.to_list()
@@ -150,19 +169,48 @@ def read_source(
         sampled = False
     else:
         what = f"{spec.where()} [{spec.split}]"
-        rows = _library_rows(
-            lambda: datasets.load_dataset(
-                spec.path, spec.name, split=spec.split, data_files=spec.data_files or None,
-                cache_dir=cache, streaming=limit is not None,
-            ),
-            what,
-            limit,
-        )  # fmt: skip
+        rows = _library_rows(lambda: _hub_rows(spec, cache, limit), what, limit)
         sampled = limit is not None and len(rows) == limit
     rows = rows[: spec.max_samples] if spec.max_samples else rows
     if not rows:
         raise DataError(f"dataset '{spec.where()}' has no rows")
     return [_renamed(row, spec) for row in rows], sampled
+
+
+def _hub_rows(spec: SourceSpec, cache: str | None, limit: int | None) -> Iterable[Any]:
+    """A hub source's rows, the same rows in the same order whether all are read (training) or
+    the first `limit` (`rlhf validate --data`): streamed when only `limit` are wanted and every
+    slice of the split counts rows from its start (`datasets` streams no sliced split: the slice
+    is taken here, on the stream); else loaded whole and sliced by `datasets` (a percentage or
+    a negative bound needs the split's size)."""
+    import datasets
+
+    def load(split: str, streaming: bool) -> Any:
+        return datasets.load_dataset(
+            spec.path, spec.name, split=split, data_files=spec.data_files or None,
+            cache_dir=cache, streaming=streaming,
+        )  # fmt: skip
+
+    parts = _stream_slices(spec.split) if limit is not None else None
+    if parts is None:
+        return load(spec.split, streaming=False)
+    return itertools.chain.from_iterable(
+        itertools.islice(load(name, streaming=True), start, stop) for name, start, stop in parts
+    )
+
+
+def _stream_slices(split: str) -> list[tuple[str, int | None, int | None]] | None:
+    """`train[10:20]+test` as (split, start, stop) per part, or None when a bound is a
+    percentage or negative (counted from the split's size, which a stream does not know)."""
+    parts = []
+    for part in split.split("+"):
+        name, _, bounds = part.partition("[")
+        ends = bounds.rstrip("]").split(":") if bounds else ["", ""]
+        if any(end.endswith("%") or end.startswith("-") for end in ends):
+            return None
+        start, stop = (int(end) if end else None for end in ends)
+        parts.append((name, start, stop))
+    return parts
 
 
 def _local_files(spec: SourceSpec) -> list[Path] | None:
@@ -193,8 +241,9 @@ def _renamed(row: Row, spec: SourceSpec) -> Row:
     return Row(values, row.where)
 
 
-def weighted(items: list[T], weight: float) -> list[T]:
-    """`weight` times the items: whole copies, then a seeded draw for the fraction."""
+def copies(n: int, weight: float) -> list[int]:
+    """How many times each of `n` rows is taken at `weight`: its whole part, and one more for a
+    seeded draw of the rows for the fraction (0.5 keeps a seeded half)."""
     whole, fraction = int(weight), weight - int(weight)
-    drawn = random.Random(MIX_SEED).sample(range(len(items)), round(len(items) * fraction))
-    return items * whole + [items[i] for i in sorted(drawn)]
+    drawn = set(random.Random(MIX_SEED).sample(range(n), round(n * fraction)))
+    return [whole + (i in drawn) for i in range(n)]
