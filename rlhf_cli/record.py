@@ -177,7 +177,8 @@ def stage_state(run: RunDir, stage: str, manifest: Manifest) -> StageState:
 class StageRecord:
     """Context manager that keeps a stage's manifest true while it runs.
 
-    Enter: take the run's lock, snapshot the recipe, point LATEST here, status `running`.
+    Enter: take the run's lock, snapshot the recipe, point LATEST here, status `running`, the
+    crash logs of earlier attempts gone (`drop_crash_logs`).
     Normal exit: `completed`. KeyboardInterrupt: `interrupted`. Any other exception: `failed`
     with the error's one-line summary, and the stage's folder, when it is still there, as the
     exception's `log_dir` (where the CLI writes a bug's traceback). Each write is atomic; the
@@ -254,6 +255,7 @@ class StageRecord:
             }
             self.run.prepare(self.recipe)
             self.dir.mkdir(parents=True, exist_ok=True)
+            drop_crash_logs(self.run, self.stage)
         reset_peak_memory()
         self._tensors = count_tensor_bytes(self.recipe, self.stage)
         self.save()
@@ -342,6 +344,29 @@ class StageRecord:
         except (ValueError, AttributeError, TypeError):
             _restore(self.run.manifest_path(self.stage), before["manifest"])
         return "the stage's earlier state is kept"
+
+
+CRASH_LOGS = ("error.log", "error.rank*.log")  # the names `errors.crash_log_name` gives
+
+
+def drop_crash_logs(run: RunDir, stage: str) -> None:
+    """The tracebacks of a stage's earlier attempts, removed as it starts again: every crash log
+    in its folder, and those in the run's folder (a bug before its record opened) whose first
+    line names its command. A log then stays only beside the attempt that wrote it, never
+    beside a later result."""
+    command = STAGE_COMMANDS.get(stage, stage)
+    for folder, every in ((run.stage_dir(stage), True), (run.path, False)):
+        for pattern in CRASH_LOGS:
+            for log in folder.glob(pattern):
+                if every or _written_by(log, command):
+                    log.unlink(missing_ok=True)
+
+
+def _written_by(log: Path, command: str) -> bool:
+    """Whether a crash log's first line (`<time> rlhf <command>: <argv>`, `write_crash_log`)
+    names `command` (`rlhf sft`)."""
+    first = (_read_bytes(log) or b"").split(b"\n", 1)[0].decode(errors="replace")
+    return first.split(" ", 1)[-1].startswith(f"{command}:")
 
 
 PLANNED = {"sft": "sft", "rm": "train-rm", "ppo": "ppo", "audit": "audit", "merged": "merge"}
