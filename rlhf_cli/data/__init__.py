@@ -117,8 +117,7 @@ def load_preferences(
     if not data.items and set(data.dropped) == {"identical answers"}:
         raise DataError(f"{source.where()}: every pair's chosen and rejected answers are the same")
     if not data.items:
-        reasons = "; ".join(f"{n} with {reason}" for reason, n in data.dropped.items())
-        raise DataError(f"{source.where()}: no pair is left ({reasons})")
+        raise DataError(f"{source.where()}: no pair is left ({_reasons(data)})")
     return data
 
 
@@ -136,17 +135,21 @@ def load_prompts(
                 cut += 1
     if cut:
         data.cut[f"turns over {source.max_chars} characters (data.prompts.max_chars)"] = cut
-    _drop(
-        data,
-        lambda p: sum(len(m["content"].split()) for m in p) >= source.min_words,
-        f"fewer than {source.min_words} words (data.prompts.min_words)",
-    )
-    if not data.items:
+    short = f"fewer than {source.min_words} words (data.prompts.min_words)"
+    _drop(data, lambda p: sum(len(m["content"].split()) for m in p) >= source.min_words, short)
+    if not data.items and set(data.dropped) == {short}:
         raise DataError(
             f"no prompt of '{source.where()}' has {source.min_words} words or more "
             f"(data.prompts.min_words)"
         )
+    if not data.items:
+        raise DataError(f"no prompt of '{source.where()}' is left ({_reasons(data)})")
     return data
+
+
+def _reasons(data: StageData[Any]) -> str:
+    """Why rows were dropped, for the error that none is left."""
+    return "; ".join(f"{n} with {reason}" for reason, n in data.dropped.items())
 
 
 # ── splits ──────────────────────────────────────────────────────────────────────────────────────

@@ -231,6 +231,10 @@ def test_pairs_that_cannot_be_split_are_dropped_and_counted(tmp_path: Path) -> N
     prompts = load_prompts(PromptSource(path=str(path), min_words=0))
     assert [prompt_text(p) for p in prompts.items] == ["The sky is"]
     assert prompts.dropped == {PREFIX: 1}
+    path = write_jsonl(tmp_path / "q.jsonl", [no_word])
+    with pytest.raises(DataError) as info:
+        load_prompts(PromptSource(path=str(path), min_words=0))
+    assert str(info.value) == f"no prompt of '{path}' is left (1 with {PREFIX})"
     with pytest.raises(DataError) as info:
         pairs_in(tmp_path, [no_word, same])
     assert str(info.value) == f"{tmp_path / 'p.jsonl'}: no pair is left (2 with {PREFIX})"
