@@ -193,8 +193,9 @@ def messages(value: Any, where: str, column: str) -> Conversation:
                 f"{where}: {label} has role {role if isinstance(role, str) else describe(role)}; "
                 f"expected one of {', '.join(sorted(set(ROLES.values())))}"
             )
-        content = _content(message.get("content", message.get("value")), where, label)
-        if ROLES[role] == "system" and blank(content):
+        value, system = message.get("content", message.get("value")), ROLES[role] == "system"
+        content = "" if system and value is None else _content(value, where, label)
+        if system and blank(content):
             continue  # an empty system message is none (ShareGPT and Orca sets hold many)
         out.append({"role": ROLES[role], "content": content})
     return out

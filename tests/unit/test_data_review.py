@@ -177,6 +177,7 @@ def test_an_empty_system_message_is_none_in_every_layout(tmp_path: Path) -> None
         Example([user(PROMPT)], "Rinse it.")
     ]
     assert load_prompts(PromptSource(**spec), tmp_path / "c").items == [[user(PROMPT)]]
+    sharegpt[0]["value"] = None  # no text at all: none too
     pair = {
         "chosen": [*sharegpt, {"from": "gpt", "value": "Rinse it."}],
         "rejected": [*sharegpt, {"from": "gpt", "value": "No."}],
