@@ -9,10 +9,13 @@ folder), `/reset_prefix_cache`, `/update_weight_version`, `GET /weight_info`, an
 plane of vLLM's weight transfer (`GET /get_world_size`, `/init_weight_transfer_engine`,
 `/start_weight_update`, `/update_weights`, `/finish_weight_update`,
 `/shutdown_weight_transfer_engine`: recorded in `transfer`; the tensors themselves are the
-test's to deliver). Knobs: `fail`
-(HTTP statuses to answer the next requests with; 0 drops the connection), `delay_s`,
-`answer_as` (another model name in every answer), `die_after` (completions answered before
-every later one drops its connection), `requests` (what was asked)."""
+test's to deliver). Knobs: `fail` (HTTP statuses to answer the next requests with; 0 drops
+the connection, `CUT` sends half of the answer then closes, `NOT_JSON` answers a proxy's HTML
+page, `WRONG_SHAPE` JSON without the route's fields), `delay_s`, `late` (seconds the next
+requests wait after the route ran, before answering: a call that times out but was done),
+`hang` (completions are never answered until `stop`), `answer_as` (another model name in every
+answer), `die_after` (completions answered before every later one fails as `die_how`, one of
+`fail`'s codes or `HANG`), `requests` (what was asked)."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from transformers import AutoModelForCausalLM
 from rlhf_cli.generation import HFGenerator
 from rlhf_cli.recipe import GenerationSection
 
+CUT, NOT_JSON, WRONG_SHAPE, HANG = -1, -2, -3, -4  # `fail` codes beside HTTP statuses
 TRANSFER_ROUTES = (
     "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
     "/finish_weight_update", "/shutdown_weight_transfer_engine",
@@ -48,8 +52,13 @@ class FakeVLLM:
         self.requests: list[tuple[str, Any]] = []
         self.fail: list[int] = []
         self.delay_s = 0.0
+        self.late: list[float] = []
+        self.hang = False
+        self.released = threading.Event()  # set by `stop`: hung requests end
+        self.hung_at: float | None = None  # when the first request was left unanswered
         self.answer_as: str | None = None
         self.die_after: int | None = None  # completions answered before every request fails
+        self.die_how = 0
         self.lock = threading.Lock()  # one generation at a time
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.httpd.daemon_threads = True
@@ -61,6 +70,7 @@ class FakeVLLM:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
     def stop(self) -> None:
+        self.released.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -75,7 +85,8 @@ class FakeVLLM:
         if path == "/v1/models":
             listed = [{"id": self.name, "root": self.name, "parent": None,
                        "max_model_len": self.max_model_len}]  # fmt: skip
-            listed += [{"id": n, "root": n, "parent": self.name} for n in self.adapters]
+            listed += [{"id": n, "root": path, "parent": self.name}
+                       for n, (_, path) in self.adapters.items()]  # fmt: skip
             return 200, {"object": "list", "data": listed}
         if path == "/v1/completions":
             return 200, self.complete(body)
@@ -85,7 +96,7 @@ class FakeVLLM:
             if body["lora_name"] in self.adapters:
                 return 400, {"error": {"message": "already loaded"}}
             model = PeftModel.from_pretrained(copy.deepcopy(self.base), body["lora_path"])
-            self.adapters[body["lora_name"]] = model.eval()
+            self.adapters[body["lora_name"]] = (model.eval(), body["lora_path"])
             return 200, f"Success: LoRA adapter '{body['lora_name']}' added successfully."
         if path == "/v1/unload_lora_adapter":
             if self.adapters.pop(body["lora_name"], None) is None:
@@ -114,7 +125,7 @@ class FakeVLLM:
 
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body["model"]
-        model = self.base if name == self.name else self.adapters[name]
+        model = self.base if name == self.name else self.adapters[name][0]
         temperature = body["temperature"]
         gen = GenerationSection(
             max_new_tokens=body["max_tokens"],
@@ -146,22 +157,37 @@ def _handler(fake: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             body = json.loads(self.rfile.read(length)) if length else None
             if fake.delay_s:
                 time.sleep(fake.delay_s)
-            if fake.die_after is not None and self.path == "/v1/completions":
-                if fake.die_after <= 0:
-                    fake.fail.append(0)
-                fake.die_after -= 1
-            if fake.fail:
-                status = fake.fail.pop(0)
-                if status == 0:  # the server died mid-request
-                    self.close_connection = True
-                    self.connection.shutdown(2)
-                    return
+            if self.path == "/v1/completions":
+                if fake.die_after is not None:
+                    if fake.die_after <= 0:
+                        fake.fail.append(fake.die_how)
+                    fake.die_after -= 1
+                if fake.hang:
+                    fake.fail.insert(0, HANG)
+            status = fake.fail.pop(0) if fake.fail else 200
+            if status in (0, HANG):
+                self._die(status)
+            elif status == NOT_JSON:
+                self._send(200, "<html><body>502 Bad Gateway</body></html>")
+            elif status == WRONG_SHAPE:
+                self._send(200, {"choices": [{"text": "hi"}], "data": "none"})
+            elif status not in (200, CUT):
                 self._send(status, {"error": "injected"})
-                return
-            status, answer = fake.route(method, self.path, body)
-            self._send(status, answer)
+            else:
+                answer = fake.route(method, self.path, body)
+                if fake.late:
+                    time.sleep(fake.late.pop(0))
+                self._send(*answer, cut=status == CUT)
 
-        def _send(self, status: int, answer: Any) -> None:
+        def _die(self, how: int) -> None:
+            """Drop the connection now (0), or hold it unanswered until `stop` (HANG)."""
+            if how == HANG:
+                fake.hung_at = fake.hung_at or time.monotonic()
+                fake.released.wait()
+            self.close_connection = True
+            self.connection.shutdown(2)
+
+        def _send(self, status: int, answer: Any, cut: bool = False) -> None:
             data = (
                 b""
                 if answer is None
@@ -170,6 +196,12 @@ def _handler(fake: FakeVLLM) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
+            if cut:  # the server died mid-answer
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return
             self.wfile.write(data)
 
         def do_GET(self) -> None:  # noqa: N802

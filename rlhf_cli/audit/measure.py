@@ -13,6 +13,7 @@ from rlhf_cli.audit.detectors import audit_responses, judge_agreement
 from rlhf_cli.generation import (
     Generations,
     Generator,
+    PolicyVersion,
     response_logits,
     response_logprobs,
     row_seed,
@@ -29,13 +30,14 @@ def sample_answers(
     gen: GenerationSection,
     batch_size: int,
     seed: int,
+    policy: PolicyVersion,
 ) -> list[Generations]:
-    """Answers to `queries` in batches of `batch_size`, each row from its own seed (round 0 of
-    `row_seed`): the same draws whatever the engine sampled before."""
+    """Answers by `policy` to `queries` in batches of `batch_size`, each row from its own seed
+    (round 0 of `row_seed`): the same draws whatever the engine sampled before."""
     seeds = [row_seed(seed, 0, row) for row in range(len(queries))]
     return [
         generator.generate(
-            queries[start : start + batch_size], gen, seeds[start : start + batch_size]
+            queries[start : start + batch_size], gen, seeds[start : start + batch_size], policy
         )
         for start in range(0, len(queries), batch_size)
     ]
@@ -86,8 +88,8 @@ def audit_policy(
     model.eval()
     asked = [p for p in prompts for _ in range(cfg.samples)]
     queries = tokenize_prompts(tokenizer, asked, chat, max_tokens)
-    generator.sync(model)
-    batches = sample_answers(generator, queries, cfg.generation, batch_size, seed)
+    policy = generator.sync(model)
+    batches = sample_answers(generator, queries, cfg.generation, batch_size, seed, policy)
     responses = [text for answers in batches for text in answers.texts]
     ref_responses, measured = None, {}
     if reference is not None:
@@ -95,8 +97,10 @@ def audit_policy(
         ref_responses = reference_responses
         if ref_responses is None:
             with reference.model() as ref:
-                generator.sync(ref)
-                ref_batches = sample_answers(generator, queries, cfg.generation, batch_size, seed)
+                ref_policy = generator.sync(ref)
+                ref_batches = sample_answers(
+                    generator, queries, cfg.generation, batch_size, seed, ref_policy
+                )
             ref_responses = [text for answers in ref_batches for text in answers.texts]
     report = audit_responses(responses, cfg, ref_responses)
     report.update(measured)
@@ -220,14 +224,14 @@ def heldout_eval(
     change)."""
     was_training = model.training
     model.eval()
-    generator.sync(model)
-    batches = sample_answers(generator, queries, gen, batch_size, seed)
+    policy = generator.sync(model)
+    batches = sample_answers(generator, queries, gen, batch_size, seed, policy)
     texts = [t for b in batches for t in b.texts]
     scores = scorer.score(prompts, texts)[0].float()
     if reference_scores is None:
         with reference.model() as ref:
-            generator.sync(ref)
-            ref_batches = sample_answers(generator, queries, gen, batch_size, seed)
+            ref_policy = generator.sync(ref)
+            ref_batches = sample_answers(generator, queries, gen, batch_size, seed, ref_policy)
         ref_texts = [t for b in ref_batches for t in b.texts]
         reference_scores = ReferenceScores(
             scorer.score(prompts, ref_texts)[0].float(),

@@ -1,7 +1,8 @@
 """Answers to prompts, for every caller: PPO rollouts, the audit, the merge check and compare.
 
 One interface (`core.py`): a `Generator` takes tokenised prompts and a `GenerationSection` and
-returns a `Generations` record (token ids, masks, `ended`, decoded text); `generator_for` builds
+returns a `Generations` record (token ids, masks, `ended`, decoded text) from the policy a
+`PolicyVersion` names (`sync` returns it); `generator_for` builds
 the recipe's backend, `gen.backend`: transformers `generate` (`hf.py`) or a colocated vLLM
 engine (`vllm.py`). Callers never name a backend. `core.py` also holds what makes sampled
 tokens and their log-probs agree, for every backend.
@@ -19,6 +20,7 @@ from rlhf_cli.generation.core import (
     LOGPROB_CHUNK_ROWS,
     Generations,
     Generator,
+    PolicyVersion,
     decode,
     forward_logits,
     left_pad,
@@ -41,6 +43,7 @@ __all__ = [
     "Generator",
     "HFGenerator",
     "LOGPROB_CHUNK_ROWS",
+    "PolicyVersion",
     "require_engine",
     "decode",
     "forward_logits",
@@ -66,7 +69,7 @@ def require_engine(gen: GenerationSection, section: str = "ppo.generation") -> N
     engine checks it again, so a caller that skips this only fails later. A 4-bit policy with
     vLLM is refused by the recipe itself."""
     if gen.backend == "vllm_server":
-        from rlhf_cli.generation.server import check_servers
+        from rlhf_cli.generation.server_http import check_servers
 
         check_servers(gen.server, section)
     if gen.backend == "vllm":

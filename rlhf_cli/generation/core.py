@@ -68,22 +68,40 @@ class Generations:
         return dataclasses.replace(self, **moved)
 
 
+@dataclass(frozen=True)
+class PolicyVersion:
+    """A handle on one policy an engine was given (`Generator.sync`), never reused: the calls
+    that name it are answered by exactly those weights, or refused."""
+
+    name: str  # unique within its engine
+    adapter: str | None = None  # the LoRA adapter the servers answer as (None: their base)
+
+
 class Generator(Protocol):
-    """What every generation backend offers its callers."""
+    """What every generation backend offers its callers. Which policy answers is explicit:
+    `sync` hands the engine a policy and returns its handle, and a `generate` call names the
+    handle it is to be answered by; an engine that no longer holds it refuses the call rather
+    than answer as another policy. An engine holds the policy of its last `sync`; the servers'
+    client also keeps older ones while a call made later (`pinned`) names them."""
 
     stop_ids: list[int]
 
     def generate(
-        self, queries: list[list[int]], gen: GenerationSection, seeds: list[int] | None = None
+        self,
+        queries: list[list[int]],
+        gen: GenerationSection,
+        seeds: list[int] | None = None,
+        policy: PolicyVersion | None = None,
     ) -> Generations:
-        """Answers to `queries` (token ids of each prompt) sampled with `gen`; with `seeds`, each
+        """Answers to `queries` (token ids of each prompt) sampled with `gen` by `policy` (by
+        default the last synced, or the model the engine was built from); with `seeds`, each
         row's draws come from its own seed, whatever else is in the batch."""
         ...
 
-    def sync(self, model: Any) -> None:
-        """Answer as `model` does from now on: the live policy's current weights before each
-        rollout, or the reference (the policy with its adapter disabled, or a frozen copy of
-        the same architecture) for the audit's comparison."""
+    def sync(self, model: Any) -> PolicyVersion:
+        """Give the engine `model` as it is now, under a new handle: the live policy's current
+        weights before each rollout, or the reference (the policy with its adapter disabled,
+        or a frozen copy of the same architecture) for the audit's comparison."""
         ...
 
 

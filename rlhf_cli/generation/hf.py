@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rlhf_cli.generation.core import (
     Generations,
+    PolicyVersion,
     decode,
     left_pad,
     response_mask_from,
@@ -132,23 +133,56 @@ class SeededGumbel(LogitsProcessor):
 
 
 @dataclass
+class OneVersion:
+    """The policy an engine that holds one set of weights answers as (`HFGenerator`, the
+    colocated vLLM engine): the handle of its last `sync`. A call naming an older handle is
+    refused: it would get another policy's answers."""
+
+    synced: int = 0
+    held: PolicyVersion | None = None  # None: the model the engine was built from
+
+    def publish(self) -> PolicyVersion:
+        """The handle of the policy the engine was just given."""
+        self.synced += 1
+        self.held = PolicyVersion(f"v{self.synced}")
+        return self.held
+
+    def check(self, asked: PolicyVersion | None) -> None:
+        """Refuse a call for a policy the engine no longer holds (a caller's bug)."""
+        if asked is not None and asked != self.held:
+            holds = self.held.name if self.held else "the model it was built from"
+            raise RuntimeError(
+                f"a generate call names policy {asked.name}, but the engine holds {holds}: "
+                "another caller synced it since"
+            )
+
+
+@dataclass
 class HFGenerator:
     """transformers `generate`: left-padded batches with the KV cache."""
 
     model: Any
     tokenizer: Any
     stop_ids: list[int]
+    versions: OneVersion = field(default_factory=OneVersion)
 
-    def sync(self, model: Any) -> None:
+    def sync(self, model: Any) -> PolicyVersion:
         """`generate` runs `model` itself from now on."""
         self.model = model
+        return self.versions.publish()
 
     @torch.inference_mode()
     def generate(
-        self, queries: list[list[int]], gen: GenerationSection, seeds: list[int] | None = None
+        self,
+        queries: list[list[int]],
+        gen: GenerationSection,
+        seeds: list[int] | None = None,
+        policy: PolicyVersion | None = None,
     ) -> Generations:
-        """Answers to `queries`; responses trimmed to the longest, pads after each stop. With
-        `seeds` (one per query) each row samples from its own seed (`SeededGumbel`)."""
+        """Answers to `queries` by `policy` (refused unless it is the last synced); responses
+        trimmed to the longest, pads after each stop. With `seeds` (one per query) each row
+        samples from its own seed (`SeededGumbel`)."""
+        self.versions.check(policy)
         pad_id = self.tokenizer.pad_token_id
         device = next(self.model.parameters()).device
         query_ids, query_mask = left_pad(queries, pad_id, device)

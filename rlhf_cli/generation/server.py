@@ -5,17 +5,20 @@ our own: `rlhf serve` starts vLLM's server; this module is its client.
 - Requests carry token ids (no re-tokenising), each row's seed, the recipe's sampling settings
   and stop ids; answers come back as token ids with the sampler's processed log-probs (the
   server runs with `--logprobs-mode processed_logprobs`), as the colocated engine gives them.
-- `sync` sends the policy after every update under a new, never reused name: `lora` writes the
-  adapter into `server.shared_dir` and loads it (`/v1/load_lora_adapter`, runtime LoRA
-  loading), every request naming it; `weights` writes the merged weights there and reloads them
-  in place (`/collective_rpc reload_weights`), or with `server.weight_transfer: nccl` sends
-  them GPU to GPU over vLLM's NCCL weight-transfer engine (the server started with
+- `sync` sends the policy under a new, never reused name and returns its handle
+  (`PolicyVersion`): `lora` writes the adapter into `server.shared_dir` and loads it on every
+  server (`/v1/load_lora_adapter`, runtime LoRA loading), the calls naming the handle naming
+  the adapter; `weights` writes the merged weights there and reloads them in place
+  (`/collective_rpc reload_weights`), or with `server.weight_transfer: nccl` sends them GPU to
+  GPU over vLLM's NCCL weight-transfer engine (the server started with
   `--weight-transfer-config '{"backend": "nccl"}'`); then `/update_weight_version` (vLLM's dev
   endpoints, `VLLM_SERVER_DEV_MODE=1`), checking `/weight_info` before and after each batch. An
   answer that names another model or version than the one asked is refused: a batch never
-  mixes versions.
-- Every call has a timeout; a request that fails or times out is retried `server.retries`
-  times, then `GenerationServerLost` (exit 2) names the server; the PPO loop checkpoints first.
+  mixes versions. A version stays on the servers while a call made later names it (`pinned`:
+  pins are counts on handles); the others go at the next sync.
+- Every call has a timeout and `server.retries` retries (`server_http.py`), then
+  `GenerationServerLost` (exit 2) names the server; the PPO loop checkpoints first. A batch has
+  one deadline and ends at its first lost row (`_ask_all`).
 - At start (`check_servers`, before any model loads) every server must answer its model list;
   once the policy is built (`verify`), a log-prob probe against the local forward refuses a
   server that serves another base model.
@@ -23,15 +26,11 @@ our own: `rlhf serve` starts vLLM's server; this module is its client.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -41,96 +40,41 @@ import torch
 from rlhf_cli.errors import GenerationServerLost, ModelLoadError
 from rlhf_cli.generation.core import (
     Generations,
+    PolicyVersion,
     generations_from,
     left_pad,
     response_logits,
     response_logprobs,
 )
+from rlhf_cli.generation.server_http import (
+    Batch,
+    ServerReply,
+    batch_deadline_s,
+    completion,
+    field_of,
+    reason,
+    retrying,
+    served_models,
+)
 from rlhf_cli.generation.vllm import adapter_in_use, merged_weights
 from rlhf_cli.generation.weight_transfer import (
     PolicyWeights,
     SyncClient,
-    has_vllm,
     open_nccl_transfer,
     weight_transfer,
+    within,
 )
 from rlhf_cli.recipe import GenerationSection, ServerSection
 
-START_TIMEOUT_S = 10.0  # the model-list call at start: a server that is up answers at once
 PROBE = GenerationSection(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0)
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 # Mean |log-prob| gap on the probe's tokens above which the server serves another model: the
 # same weights give ~1e-5 in float32 and ~1e-2 in bfloat16; another checkpoint, nats.
 PROBE_BOUND = 0.1
 MAX_IN_FLIGHT = 64  # concurrent requests per server (vLLM batches them itself)
-
-
-class ServerReply(Exception):
-    """A server answered, but with an error (HTTP 4xx/5xx)."""
-
-    def __init__(self, status: int, text: str):
-        self.status = status
-        super().__init__(f"HTTP {status}: {text[:300]}")
-
-
-def call(url: str, path: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
-    """One HTTP call: POST `body` as JSON (GET without one); the JSON answer, its text when it
-    is not JSON (vLLM's adapter routes answer in words), or None."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url + path, data=data, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            raw = reply.read()
-    except urllib.error.HTTPError as exc:
-        raise ServerReply(exc.code, exc.read().decode(errors="replace")) from None
-    if not raw.strip():
-        return None
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw.decode(errors="replace")
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, urllib.error.URLError) and not isinstance(exc, urllib.error.HTTPError):
-        exc = exc.reason if isinstance(exc.reason, BaseException) else exc
-    if isinstance(exc, TimeoutError):
-        return "no answer within the timeout"
-    return str(exc) or type(exc).__name__
-
-
-def served_models(url: str, timeout: float = START_TIMEOUT_S) -> list[dict[str, Any]]:
-    """The server's model list (`/v1/models`): its base model and any loaded adapters."""
-    return call(url, "/v1/models", timeout=timeout)["data"]
-
-
-def check_servers(server: ServerSection, section: str) -> None:
-    """Every server answers its model list (one line naming the first that does not, exit 2),
-    and an explicit `weight_transfer: nccl` has what it needs: checked before any model
-    loads."""
-    if server.weight_transfer == "nccl":
-        missing = (
-            "CUDA" if not torch.cuda.is_available()
-            else "the vllm package in the trainer's environment" if not has_vllm()
-            else "one training process (each would open its own group to the servers)"
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1
-            else None
-        )  # fmt: skip
-        if missing:
-            raise ModelLoadError(
-                f"{section}.server.weight_transfer: nccl needs {missing}; use `disk` (the "
-                "weights through server.shared_dir)"
-            )
-    for url in server.urls:
-        try:
-            served_models(url)
-        except (OSError, ServerReply, ValueError, KeyError) as exc:
-            raise ModelLoadError(
-                f"{section}.server.urls: {url} does not answer ({_reason(exc)}): start it with "
-                "`rlhf serve` (or `vllm serve`, docs/rollout-server.md) or fix the URL"
-            ) from None
+# An upload in the shared folder that no server holds and nothing touched this long was left by
+# a run that stopped; a younger one may be another process's, written and about to be loaded.
+STALE_AFTER_S = 3600.0
 
 
 @dataclass
@@ -148,56 +92,89 @@ class ServerGenerator:
     max_len: int  # prompt and answer together
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # this run's names
     uploads: int = 0
-    model: str | None = None  # the adapter every request names (None: the base)
-    weights: str | None = None  # the weight version the servers hold (`weights` mode)
+    latest: PolicyVersion | None = None  # the last synced: what a call naming none gets
     _busy: threading.Condition = field(default_factory=threading.Condition)
-    _in_flight: int = 0  # calls asked for (pinned) and not yet answered or released
-    _pins: dict[str | None, int] = field(default_factory=dict)  # the models they name
-    _loaded: list[str] = field(default_factory=list)  # adapters / weight folders, oldest first
+    _held: list[PolicyVersion] = field(default_factory=list)  # synced, not dropped, oldest first
+    _pins: Counter[PolicyVersion] = field(default_factory=Counter)  # calls asked, not answered
     _nccl: dict[str, Any] = field(default_factory=dict)  # url -> vLLM's trainer-side engine
 
     # ── sync ────────────────────────────────────────────────────────────────────────────────
 
-    def sync(self, model: Any) -> None:
-        """The servers answer as `model` from now on, under a name never used before: the
-        policy's adapter (`lora`; the reference, adapter off, is the base model itself) or its
-        merged weights (`weights`, once every batch in flight is answered)."""
-        if self.mode == "lora":
-            self.model = self._send_adapter(model) if adapter_in_use(model) else None
-        else:
-            self._send_weights(model)
-
-    def _next_name(self) -> str:
+    def sync(self, model: Any) -> PolicyVersion:
+        """Send `model` as it is now to the servers, under a name never used before, and return
+        its handle: the policy's adapter (`lora`; the reference, adapter off, is the servers'
+        base itself) or its merged weights (`weights`, once no call names an older version).
+        The versions older than this one that no call names any more are dropped."""
         self.uploads += 1
-        return f"rlhf-{self.tag}-v{self.uploads}"
+        name = f"rlhf-{self.tag}-v{self.uploads}"
+        if self.mode == "weights":
+            self._send_weights(model, name)
+            policy = PolicyVersion(name)
+        elif adapter_in_use(model):
+            self._send_adapter(model, name)
+            policy = PolicyVersion(name, adapter=name)
+        else:
+            policy = PolicyVersion(name)
+        with self._busy:
+            self._held.append(policy)
+            self.latest = policy
+        self._drop_old()
+        return policy
 
-    def _send_adapter(self, model: Any) -> str:
-        name = self._next_name()
+    def _answerable(self, policy: PolicyVersion) -> bool:
+        """Whether the servers can answer as `policy` now: adapters stay loaded until dropped;
+        weights are replaced by the next sync's."""
+        return policy in self._held and (self.mode == "lora" or policy == self.latest)
+
+    def _send_adapter(self, model: Any, name: str) -> None:
+        """Write the adapter and load it on every server; if one fails, none keeps it."""
         folder = self.shared_dir / name
         model.save_pretrained(folder)  # the adapter alone (a peft model)
-        for url in self.server.urls:
-            self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
-        self._loaded.append(name)
-        self._drop_old(keep=1)
-        return name
+        loaded: list[str] = []
+        try:
+            for url in self.server.urls:
+                self._load_adapter(url, name, folder)
+                loaded.append(url)
+        except GenerationServerLost:
+            self._unload(name, loaded)
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
 
-    def _drop_old(self, keep: int) -> None:
-        """Unload and delete all but the newest `keep` uploads, except those a pinned call
-        still names."""
-        for old in self._loaded[:-keep]:
-            if self._pins.get(old):
-                continue
-            self._loaded.remove(old)
-            if self.mode == "lora":
-                for url in self.server.urls:
-                    try:
-                        self._post(url, "/v1/unload_lora_adapter", {"lora_name": old}, tries=1)
-                    except (GenerationServerLost, ServerReply):
-                        pass  # gone already: nothing holds it
-            shutil.rmtree(self.shared_dir / old, ignore_errors=True)
+    def _load_adapter(self, url: str, name: str, folder: Path) -> None:
+        body = {"lora_name": name, "lora_path": str(folder)}
+        try:
+            self._post(url, "/v1/load_lora_adapter", body)
+        except GenerationServerLost:
+            # a try that timed out after loading it makes the retry answer 400 "already
+            # loaded": the same name from the same folder is what was asked for
+            if not self._holds_adapter(url, name, folder):
+                raise
 
-    def _send_weights(self, model: Any) -> None:
-        name = self._next_name()
+    def _holds_adapter(self, url: str, name: str, folder: Path) -> bool:
+        try:
+            listed = served_models(url, self.server.timeout_s)
+        except (OSError, ServerReply, ValueError):
+            return False
+        return any(m["id"] == name and m.get("root") == str(folder) for m in listed)
+
+    def _unload(self, adapter: str, urls: list[str]) -> None:
+        for url in urls:
+            try:
+                self._post(url, "/v1/unload_lora_adapter", {"lora_name": adapter}, tries=1)
+            except GenerationServerLost:
+                pass  # gone already, or the server is: nothing asks it for the adapter again
+
+    def _drop_old(self) -> None:
+        """Unload and delete the versions before the latest that no call names any more."""
+        with self._busy:
+            old = [p for p in self._held[:-1] if not self._pins[p]]
+            self._held = [p for p in self._held if p not in old]
+        for policy in old:
+            if policy.adapter:
+                self._unload(policy.adapter, self.server.urls)
+            shutil.rmtree(self.shared_dir / policy.name, ignore_errors=True)
+
+    def _send_weights(self, model: Any, name: str) -> None:
         if self.transfer == "disk":
             folder = self.shared_dir / name
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -205,26 +182,31 @@ class ServerGenerator:
             weights = {key: value.detach().cpu().contiguous() for key, value in merged}
             base.save_pretrained(folder, state_dict=weights)
         with self._busy:  # reloading in place under a batch would mix two versions in it
-            if not self._busy.wait_for(lambda: self._in_flight == 0, self.server.timeout_s):
+            if not self._busy.wait_for(lambda: not +self._pins, self.server.timeout_s):
                 raise GenerationServerLost(
                     f"the rollouts in flight did not finish within server.timeout_s "
                     f"({self.server.timeout_s:g} s), so the weights could not be reloaded"
                 )
             for url in self.server.urls:
                 if self.transfer == "nccl":
-                    engine = self._nccl_engine(url, model)
-                    engine.source.model = model  # the weights as they are now (gathered)
-                    engine.send_weights()  # start, update (beside the broadcast), finish
+                    self._send_nccl(url, model)
                 else:
                     rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
                     self._post(url, "/collective_rpc", rpc)
                 self._post(url, "/reset_prefix_cache", {})
                 self._post(url, "/update_weight_version", {"new_version": name})
                 self._check_version(url, name)
-            self.weights = name
-        if self.transfer == "disk":
-            self._loaded.append(name)
-            self._drop_old(keep=1)
+
+    def _send_nccl(self, url: str, model: Any) -> None:
+        """The weights as they are now (gathered) over NCCL: start, update beside the
+        broadcast, finish; a broadcast the server stopped taking part in ends at
+        `server.timeout_s`."""
+        engine = self._nccl_engine(url, model)
+        engine.source.model = model
+        try:
+            within(self.server.timeout_s, engine.send_weights, f"the NCCL weight transfer to {url}")
+        except TimeoutError as exc:
+            raise GenerationServerLost(f"{exc} (server.timeout_s)") from None
 
     def _nccl_engine(self, url: str, model: Any) -> Any:
         """The NCCL group to the server at `url` (opened at the first sync: this process is
@@ -235,10 +217,15 @@ class ServerGenerator:
             except GenerationServerLost:
                 pass  # none was open
             try:
-                workers = int(self._get(url, "/get_world_size")["world_size"])
+                workers = self._get(url, "/get_world_size", field_of("world_size", int))
                 client = SyncClient(lambda path, body: self._post(url, path, body, tries=1))
-                self._nccl[url] = open_nccl_transfer(url, client, PolicyWeights(model), workers)
-            except GenerationServerLost as exc:
+                weights = PolicyWeights(model)
+                self._nccl[url] = within(
+                    self.server.timeout_s,
+                    lambda: open_nccl_transfer(url, client, weights, workers),
+                    "the NCCL rendezvous",
+                )
+            except (GenerationServerLost, TimeoutError) as exc:
                 raise ModelLoadError(
                     f"the server at {url} opened no NCCL weight transfer ({exc}): start it with "
                     '`rlhf serve` (it adds --weight-transfer-config \'{"backend": "nccl"}\' '
@@ -246,8 +233,8 @@ class ServerGenerator:
                 ) from None
         return self._nccl[url]
 
-    def _check_version(self, url: str, expected: str | None) -> None:
-        held = self._get(url, "/weight_info").get("weight_version")
+    def _check_version(self, url: str, expected: str) -> None:
+        held = self._get(url, "/weight_info", field_of("weight_version", (str, type(None))))
         if held != expected:
             raise GenerationServerLost(
                 f"the server at {url} holds weight version {held!r}, not {expected!r}: another "
@@ -257,26 +244,34 @@ class ServerGenerator:
     # ── generate ────────────────────────────────────────────────────────────────────────────
 
     def generate(
-        self, queries: list[list[int]], gen: GenerationSection, seeds: list[int] | None = None
+        self,
+        queries: list[list[int]],
+        gen: GenerationSection,
+        seeds: list[int] | None = None,
+        policy: PolicyVersion | None = None,
     ) -> Generations:
-        """Answers to `queries` from the servers (rows split across them in order), each row
-        from its seed; every answer checked to come from the model this call asked for."""
-        return self.pinned()(queries, gen, seeds)
+        """Answers to `queries` by `policy` (the last synced by default) from the servers (rows
+        split across them in order), each row from its seed; every answer checked to come from
+        the version this call names."""
+        return self.pinned(policy)(queries, gen, seeds)
 
-    def pinned(self) -> Pinned:
-        """`generate` as the servers answer now, for a call made later (a rollout drawn ahead,
-        `async_steps`): its adapter stays loaded, and the weights stay in place, until the call
-        is made or released."""
-        pinned = Pinned(self, self.model, self.weights)
+    def pinned(self, policy: PolicyVersion | None = None) -> Pinned:
+        """`generate` by `policy` (the last synced by default) for a call made later (a rollout
+        drawn ahead, `async_steps`): pinned, its adapter stays loaded, and its weights stay in
+        place, until the call is made or released. Refused for a version already dropped."""
+        policy = policy or self.latest
         with self._busy:
-            self._in_flight += 1
-            self._pins[self.model] = self._pins.get(self.model, 0) + 1
-        return pinned
+            if policy is None or not self._answerable(policy):
+                raise RuntimeError(
+                    f"a generate call names policy {policy and policy.name}, which the servers "
+                    f"no longer hold (the last synced is {self.latest and self.latest.name})"
+                )
+            self._pins[policy] += 1
+        return Pinned(self, policy)
 
-    def _release(self, model: str | None) -> None:
+    def _unpin(self, policy: PolicyVersion) -> None:
         with self._busy:
-            self._in_flight -= 1
-            self._pins[model] -= 1
+            self._pins[policy] -= 1
             self._busy.notify_all()
 
     def _generate(
@@ -285,26 +280,51 @@ class ServerGenerator:
         gen: GenerationSection,
         seeds: list[int] | None,
         urls: list[str],
-        model: str | None,
-        weights: str | None,
+        policy: PolicyVersion,
+        batch: Batch,
     ) -> Generations:
         seeds = seeds if seeds is not None else [None] * len(queries)
         share = -(-len(queries) // len(urls))
         rows = enumerate(zip(queries, seeds, strict=True))
         jobs = [(urls[row // share], query, seed) for row, (query, seed) in rows]
-        if weights is not None:
+        if self.mode == "weights":
             for url in urls:
-                self._check_version(url, weights)
-        workers = max(1, min(len(jobs), MAX_IN_FLIGHT * len(urls)))
-        with ThreadPoolExecutor(workers, thread_name_prefix="vllm-server") as pool:
-            answers = list(pool.map(lambda job: self._answer(*job, gen, model), jobs))
-        if weights is not None:
+                self._check_version(url, policy.name)
+        answers = self._ask_all(jobs, gen, policy, batch)
+        if self.mode == "weights":
             for url in urls:
-                self._check_version(url, weights)
+                self._check_version(url, policy.name)
         tokens = [a[0] for a in answers]
         drawn = [a[1] for a in answers]
         generations = generations_from(self.tokenizer, self.stop_ids, queries, tokens, drawn)
         return generations.to(self.device)
+
+    def _ask_all(
+        self, jobs: list[tuple[str, list[int], int | None]], gen: GenerationSection,
+        policy: PolicyVersion, batch: Batch,
+    ) -> list[tuple[list[int], list[float]]]:  # fmt: skip
+        """Every job's answer, asked for by daemon threads (MAX_IN_FLIGHT per server) within
+        the batch's deadline; the first failure ends the batch (`Batch`) and is raised."""
+
+        def work() -> None:
+            while (row := batch.take()) is not None:
+                try:
+                    batch.answered(row, self._answer(*jobs[row], gen, policy, batch))
+                except BaseException as exc:  # noqa: BLE001 — raised in the caller's thread
+                    batch.fail(exc)
+
+        urls = {url for url, _, _ in jobs}
+        for _ in range(max(1, min(len(jobs), MAX_IN_FLIGHT * len(urls)))):
+            threading.Thread(target=work, name="vllm-server", daemon=True).start()
+        if not batch.over.wait(max(batch.left_s(), 0.0)):
+            url = next(job[0] for job, got in zip(jobs, batch.answers, strict=True) if got is None)
+            batch.fail(GenerationServerLost(
+                f"the rollout server at {url} did not answer every row of a batch within "
+                f"{batch.deadline_s:g} s ((server.retries + 1) x server.timeout_s and the pauses)"
+            ))  # fmt: skip
+        if batch.error is not None:
+            raise batch.error
+        return batch.answers
 
     def _answer(
         self,
@@ -312,9 +332,10 @@ class ServerGenerator:
         query: list[int],
         seed: int | None,
         gen: GenerationSection,
-        model: str | None,
+        policy: PolicyVersion,
+        batch: Batch,
     ) -> tuple[list[int], list[float]]:
-        name = model or self.bases[url]
+        name = policy.adapter or self.bases[url]
         body = {
             "model": name,
             "prompt": query,
@@ -329,52 +350,30 @@ class ServerGenerator:
             "skip_special_tokens": False,
             "return_token_ids": True,
         }
-        reply = self._post(url, "/v1/completions", body)
-        try:
-            choice = reply["choices"][0]
-            tokens, drawn = choice["token_ids"], choice["logprobs"]["token_logprobs"]
-        except (KeyError, IndexError, TypeError):
+        model, tokens, drawn = self._post(url, "/v1/completions", body, None, completion, batch)
+        if model != name:
             raise GenerationServerLost(
-                f"the server at {url} answered without token ids and log-probs: it needs vLLM "
-                ">= 0.32 (`return_token_ids`)"
-            ) from None
-        if reply.get("model") != name or len(drawn) != len(tokens):
-            raise GenerationServerLost(
-                f"the server at {url} answered as {reply.get('model')!r}, asked for {name!r}: "
-                "an answer of an unknown policy version is never trained on"
+                f"the server at {url} answered as {model!r}, asked for {name!r}: an answer of "
+                "an unknown policy version is never trained on"
             )
         if len(tokens) > gen.max_new_tokens:
             raise GenerationServerLost(
                 f"the server at {url} answered {len(tokens)} tokens, past max_new_tokens"
             )
-        return list(tokens), [float(x) for x in drawn]
+        return tokens, drawn
 
     # ── HTTP with timeouts and retries ──────────────────────────────────────────────────────
 
-    def _post(self, url: str, path: str, body: dict[str, Any], tries: int | None = None) -> Any:
-        return self._retrying(url, path, body, tries)
+    def _post(
+        self, url: str, path: str, body: Any, tries: int | None = None, parse: Any = None,
+        batch: Batch | None = None,
+    ) -> Any:  # fmt: skip
+        """One call, tried `tries` times (default `server.retries` + 1: `retrying`)."""
+        tries = self.server.retries + 1 if tries is None else tries
+        return retrying(url, path, body, self.server.timeout_s, tries, parse, batch)
 
-    def _get(self, url: str, path: str) -> Any:
-        return self._retrying(url, path, None, None)
-
-    def _retrying(self, url: str, path: str, body: dict[str, Any] | None, tries: int | None) -> Any:
-        tries = tries if tries is not None else self.server.retries + 1
-        for attempt in range(tries):
-            try:
-                return call(url, path, body, self.server.timeout_s)
-            except ServerReply as exc:
-                if exc.status < 500:  # the server refuses it: asking again will not help
-                    raise GenerationServerLost(
-                        f"the server at {url} refused {path}: {exc}"
-                    ) from None
-                error: BaseException = exc
-            except (OSError, ValueError) as exc:  # refused, reset, timed out, cut short
-                error = exc
-            if attempt + 1 < tries:
-                time.sleep(min(2.0**attempt, 10.0))
-        raise GenerationServerLost(
-            f"the rollout server at {url} failed {path} {tries} time(s) ({_reason(error)})"
-        )
+    def _get(self, url: str, path: str, parse: Any) -> Any:
+        return self._post(url, path, None, parse=parse)
 
     # ── the start-up check ──────────────────────────────────────────────────────────────────
 
@@ -383,10 +382,11 @@ class ServerGenerator:
         """Refuse servers that serve another model than `model`: sync it, sample a probe
         (temperature 1, no truncation) and compare the server's log-probs of the drawn tokens
         with the local forward's (mean gap at most PROBE_BOUND nats)."""
-        self.sync(model)
+        policy = self.sync(model)
         ids = self.tokenizer(PROBE_TEXT, add_special_tokens=True)["input_ids"]
         for url in self.server.urls:
-            answers = self._generate([ids], PROBE, [0], [url], self.model, self.weights)
+            batch = Batch(1, batch_deadline_s(self.server))
+            answers = self._generate([ids], PROBE, [0], [url], policy, batch)
             query_ids, query_mask = left_pad([ids], self.tokenizer.pad_token_id, self.device)
             width = answers.response_ids.shape[1]
             input_ids = torch.cat([query_ids, answers.response_ids.to(self.device)], dim=1)
@@ -406,27 +406,51 @@ class ServerGenerator:
 
 @dataclass
 class Pinned:
-    """One `generate` call of a `ServerGenerator`, its model fixed when it was asked for."""
+    """One `generate` call of a `ServerGenerator` by the version it was asked of, made now or
+    later; released (by the call itself, or for a call never made) it unpins the version, and
+    a call still waiting for its answers is abandoned at once."""
 
     owner: ServerGenerator
-    model: str | None
-    weights: str | None
+    policy: PolicyVersion
     done: bool = False
+    batch: Batch | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(
         self, queries: list[list[int]], gen: GenerationSection, seeds: list[int] | None = None
     ) -> Generations:
+        with self._lock:
+            if self.done:
+                raise GenerationServerLost("a call made after it was released")
+            self.batch = Batch(len(queries), batch_deadline_s(self.owner.server))
         try:
             urls = self.owner.server.urls
-            return self.owner._generate(queries, gen, seeds, urls, self.model, self.weights)
+            return self.owner._generate(queries, gen, seeds, urls, self.policy, self.batch)
         finally:
             self.release()
 
     def release(self) -> None:
-        """Let the servers move on (called by the call itself, or for a call never made)."""
-        if not self.done:
+        """Let the servers move on; a call still waiting for its answers raises at once."""
+        with self._lock:
+            if self.done:
+                return
             self.done = True
-            self.owner._release(self.model)
+        if self.batch is not None:
+            self.batch.abandon()
+        self.owner._unpin(self.policy)
+
+
+def drop_stale(shared_dir: Path, in_use: set[str]) -> None:
+    """Delete the uploads in `shared_dir` left by runs that stopped: no server holds them and
+    nothing touched them for STALE_AFTER_S. Younger ones may be another process's (a
+    trainer sharing the folder), written and about to be loaded."""
+    for upload in shared_dir.glob("rlhf-*"):
+        try:
+            age = time.time() - upload.stat().st_mtime
+        except FileNotFoundError:
+            continue  # its owner dropped it meanwhile
+        if upload.name not in in_use and age > STALE_AFTER_S:
+            shutil.rmtree(upload, ignore_errors=True)
 
 
 def server_generator(
@@ -445,7 +469,12 @@ def server_generator(
         mode = "lora" if adapter_in_use(model) else "weights"
     bases, in_use = {}, set()
     for url in server.urls:
-        listed = served_models(url, server.timeout_s)
+        try:
+            listed = served_models(url, server.timeout_s)
+        except (OSError, ServerReply, ValueError) as exc:
+            raise GenerationServerLost(
+                f"the rollout server at {url} failed /v1/models ({reason(exc)})"
+            ) from None
         longest = max(int(m.get("max_model_len") or 0) for m in listed)
         if 0 < longest < max_len:
             raise ModelLoadError(
@@ -456,9 +485,7 @@ def server_generator(
         bases[url] = base[0]["id"]
         in_use.update(m["id"] for m in listed if m.get("parent"))
     shared_dir.mkdir(parents=True, exist_ok=True)
-    for stale in shared_dir.glob("rlhf-*"):  # left by a run that stopped; no server holds it
-        if stale.name not in in_use:
-            shutil.rmtree(stale, ignore_errors=True)
+    drop_stale(shared_dir, in_use)
     device = next(model.parameters()).device
     transfer = weight_transfer(server) if mode == "weights" else "disk"
     generator = ServerGenerator(

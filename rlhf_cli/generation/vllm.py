@@ -28,7 +28,13 @@ import torch.distributed as dist
 from packaging.version import Version
 
 from rlhf_cli.errors import ModelLoadError
-from rlhf_cli.generation.core import Generations, generations_from, stop_token_ids
+from rlhf_cli.generation.core import (
+    Generations,
+    PolicyVersion,
+    generations_from,
+    stop_token_ids,
+)
+from rlhf_cli.generation.hf import OneVersion
 from rlhf_cli.recipe import GenerationSection
 
 INSTALL = (
@@ -118,26 +124,34 @@ class VLLMGenerator:
     sleeps: bool = False  # `vllm.sleep`: asleep (level 1) after every `generate`
     group: Any = None  # the processes sharing this engine (tensor parallel), if more than one
     asleep: bool = field(default=False, init=False)  # since its last `sleep`, until `wake_up`
+    versions: OneVersion = field(default_factory=OneVersion, init=False)
 
-    def sync(self, model: Any) -> None:
+    def sync(self, model: Any) -> PolicyVersion:
         """Load `model`'s current weights into the engine, in place (the policy before each
-        rollout, or the reference for the audit; on whole weights). A sleeping engine wakes
-        first and stays awake."""
+        rollout, or the reference for the audit; on whole weights), under a new handle. A
+        sleeping engine wakes first and stays awake."""
         self._wake()
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": merged_weights(model)}
         )
         self.llm.reset_prefix_cache()
+        return self.versions.publish()
 
     @torch.inference_mode()
     def generate(
-        self, queries: list[list[int]], gen: GenerationSection, seeds: list[int] | None = None
+        self,
+        queries: list[list[int]],
+        gen: GenerationSection,
+        seeds: list[int] | None = None,
+        policy: PolicyVersion | None = None,
     ) -> Generations:
-        """Answers to `queries` as `HFGenerator.generate` returns them (left-padded queries,
-        responses padded after each stop), with the engine's log-probs; every tensor on
-        `device`, built and decoded on the CPU first. With `sleeps` the engine wakes (if
-        asleep) before it samples and sleeps (level 1: weights offloaded, KV cache released)
-        once it has, so the memory is free until the next call."""
+        """Answers to `queries` by `policy` (refused unless it is the last synced) as
+        `HFGenerator.generate` returns them (left-padded queries, responses padded after each
+        stop), with the engine's log-probs; every tensor on `device`, built and decoded on the
+        CPU first. With `sleeps` the engine wakes (if asleep) before it samples and sleeps
+        (level 1: weights offloaded, KV cache released) once it has, so the memory is free
+        until the next call."""
+        self.versions.check(policy)
         self._wake()
         asked, mine = self._together(queries)
         row_seeds = self._together(seeds if seeds is not None else [None] * len(queries))[0]

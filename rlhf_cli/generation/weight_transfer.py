@@ -4,14 +4,17 @@ policy's merged weights sent GPU to GPU to a server started with `--weight-trans
 vLLM 0.32): this process is rank 0 of a group with the server's workers; the engine drives the
 control plane (`/init_weight_transfer_engine` once; `/start_weight_update`, `/update_weights`
 beside the broadcast, `/finish_weight_update` every sync) through `SyncClient`. vLLM is
-imported only when a transfer opens."""
+imported only when a transfer opens. Every step that waits on the group (the rendezvous, each
+broadcast) runs `within` a deadline: NCCL has none of its own that ends a wait on a server that
+died."""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -19,6 +22,7 @@ from rlhf_cli.generation.vllm import has_vllm, merged_weights
 from rlhf_cli.recipe import ServerSection
 
 CONNECT_TIMEOUT_S = 10.0  # finding the address the server reaches this machine at
+T = TypeVar("T")
 
 
 def weight_transfer(server: ServerSection) -> Literal["disk", "nccl"]:
@@ -84,6 +88,31 @@ def open_nccl_transfer(url: str, client: SyncClient, source: PolicyWeights, work
         rank=0,
     )  # fmt: skip
     return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+
+
+def within(seconds: float, step: Callable[[], T], what: str) -> T:
+    """`step()`, waited for at most `seconds` (`TimeoutError` naming `what` past them). It runs
+    in a daemon thread on the caller's CUDA device: a collective whose peer died never
+    returns, and no NCCL call can stop it; the thread is left behind and never delays exit."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
+        try:
+            outcome["value"] = step()
+        except BaseException as exc:  # noqa: BLE001 — raised in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="weight-transfer", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within {seconds:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def address_towards(url: str) -> str:

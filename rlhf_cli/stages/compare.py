@@ -42,10 +42,11 @@ def run_compare(recipe: Recipe, prompts: list[str] | None = None) -> list[dict[s
     )
     generator = generation_engine(gen, policy.model, policy.tokenizer, recipe, run.path)
     seeds = [row_seed(recipe.run.seed, 0, row) for row in range(len(queries))]
-    answers = {"ppo": generator.generate(queries, gen, seeds).texts}
+    ppo = generator.sync(policy.model)
+    answers = {"ppo": generator.generate(queries, gen, seeds, ppo).texts}
     with policy.reference.model() as ref:
-        generator.sync(ref)
-        answers["sft"] = generator.generate(queries, gen, seeds).texts
+        sft = generator.sync(ref)
+        answers["sft"] = generator.generate(queries, gen, seeds, sft).texts
     rows = [
         {"prompt": p, "sft": s, "ppo": q}
         for p, s, q in zip(prompts, answers["sft"], answers["ppo"], strict=True)

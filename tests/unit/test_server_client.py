@@ -2,12 +2,17 @@
 (tests/fake_vllm.py) that answers from a transformers model: requests carry token ids, seeds,
 sampling settings and stop ids; answers arrive as token ids with their log-probs, row by row
 as the local generator gives them; every sync uses a new name and a pinned call keeps its own;
-wrong models, unknown versions, timeouts and dead servers fail loudly, after bounded retries."""
+wrong models, unknown versions, timeouts, dead servers and cut or malformed answers fail loudly,
+after bounded retries, within one deadline a batch; syncs that fail half-way leave nothing
+behind."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
+import threading
+import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +20,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from fake_vllm import FakeVLLM
+from fake_vllm import CUT, NOT_JSON, WRONG_SHAPE, FakeVLLM
 
 from rlhf_cli.errors import GenerationServerLost, ModelLoadError
 from rlhf_cli.generation import HFGenerator, generator_for, require_engine
@@ -165,26 +170,31 @@ def test_lora_sync_sends_a_new_adapter_each_time_and_a_pinned_call_keeps_its_own
     folder, tokenizer = tiny
     policy = _lora_policy(folder)
     client = _client(policy, tokenizer, _gen([fake.url]), tmp_path)
-    assert client.mode == "lora" and client.model in fake.adapters  # the probe's sync
+    assert client.mode == "lora" and client.latest.adapter in fake.adapters  # the probe's sync
     queries, seeds = _queries(tokenizer), [5, 6, 7, 8]
     local = HFGenerator(policy, tokenizer, client.stop_ids).generate(queries, GEN, seeds)
-    assert torch.equal(client.generate(queries, GEN, seeds).response_ids, local.response_ids)
+    first = client.sync(policy)
+    assert torch.equal(client.generate(queries, GEN, seeds, first).response_ids, local.response_ids)
 
-    pinned = client.pinned()  # a rollout asked for ahead names this version
-    first = pinned.model
+    pinned = client.pinned(first)  # a rollout asked for ahead names this version
     client.sync(policy)
-    client.sync(policy)
-    assert len({first, client.model}) == 2 and first in fake.adapters  # still loaded
+    latest = client.sync(policy)
+    assert len({first, latest}) == 2 and first.adapter in fake.adapters  # still loaded
     assert len(fake.adapters) == 2  # the one in between is gone
     fake.requests.clear()
     pinned(queries[:1], GEN, seeds[:1])
-    assert [b["model"] for p, b in fake.requests if p == "/v1/completions"] == [first]
+    assert [b["model"] for p, b in fake.requests if p == "/v1/completions"] == [first.adapter]
     client.sync(policy)  # now nothing names it: unloaded, its folder removed
-    assert first not in fake.adapters
-    assert not (tmp_path / ".server-sync" / first).exists()
+    assert first.adapter not in fake.adapters
+    assert not (tmp_path / ".server-sync" / first.name).exists()
+    with pytest.raises(RuntimeError, match=f"names policy {first.name}, which the servers no"):
+        client.generate(queries, GEN, seeds, first)  # never answered by another version
     with policy.disable_adapter():  # the reference is the servers' base model
-        client.sync(policy)
-        assert client.model is None
+        reference = client.sync(policy)
+        assert reference.adapter is None
+        fake.requests.clear()
+        client.generate(queries[:1], GEN, seeds[:1], reference)
+    assert [b["model"] for p, b in fake.requests if p == "/v1/completions"] == [folder]
 
 
 def test_an_answer_of_another_model_is_never_taken(tiny, fake, tmp_path):
@@ -225,18 +235,22 @@ def _answers_as_the_policy_then_resyncs(client, policy, tokenizer, fake: FakeVLL
     moves it to a new weight version. Returns the first version."""
     queries, seeds = _queries(tokenizer), [3, 4, 5, 6]
     local = HFGenerator(policy, tokenizer, client.stop_ids).generate(queries, GEN, seeds)
-    assert torch.equal(client.generate(queries, GEN, seeds).response_ids, local.response_ids)
-    before = client.weights
-    client.sync(policy)
-    assert client.weights != before and fake.version == client.weights
-    return before
+    before = client.latest
+    assert torch.equal(
+        client.generate(queries, GEN, seeds, before).response_ids, local.response_ids
+    )
+    after = client.sync(policy)
+    assert after != before and fake.version == after.name
+    with pytest.raises(RuntimeError, match="which the servers no longer hold"):
+        client.pinned(before)  # its weights were replaced
+    return before.name
 
 
 def test_weights_sync_reloads_the_merged_weights_under_a_version(tiny, fake, tmp_path):
     folder, tokenizer = tiny
     policy = _lora_policy(folder)
     client = _client(policy, tokenizer, _gen([fake.url], sync="weights"), tmp_path)
-    assert client.mode == "weights" and fake.version == client.weights
+    assert client.mode == "weights" and fake.version == client.latest.name
     before = _answers_as_the_policy_then_resyncs(client, policy, tokenizer, fake)
     assert not (tmp_path / ".server-sync" / before).exists()  # one weights folder at a time
     fake.version = "rlhf-another-run-v9"  # another trainer synced to the same server
@@ -338,3 +352,178 @@ def test_nccl_weight_transfer_is_refused_before_loading_where_it_cannot_run(fake
     ):
         require_engine(_gen([fake.url], weight_transfer="nccl"))
     assert weight_transfer(ServerSection(urls=[fake.url])) == "disk"
+
+
+def _tighter(client, **server: object):
+    """`client` with other server settings from now on (it was built and probed with the
+    defaults, unhurried)."""
+    client.server = client.server.model_copy(update=server)
+    return client
+
+
+def _completions(fake: FakeVLLM) -> list[dict]:
+    return [b for p, b in fake.requests if p == "/v1/completions"]
+
+
+def test_a_hung_server_ends_the_batch_at_one_deadline_and_the_queued_rows_are_never_asked(
+    tiny, fake, tmp_path, monkeypatch
+):
+    """Two rows in flight, six queued; every try of the two times out. The batch ends at
+    (retries + 1) x timeout_s plus the pause (2 s), not after four waves of it (8 s, as on
+    f41b8ed), and leaves no thread that would hold the interpreter's exit."""
+    folder, tokenizer = tiny
+    monkeypatch.setattr("rlhf_cli.generation.server.MAX_IN_FLIGHT", 2)
+    client = _tighter(_client(_model(folder), tokenizer, _gen([fake.url]), tmp_path),
+                      retries=1, timeout_s=0.5)  # fmt: skip
+    fake.requests.clear()
+    fake.hang = True
+    start = time.monotonic()
+    with pytest.raises(GenerationServerLost, match=f"the rollout server at {fake.url}") as lost:
+        client.generate(_queries(tokenizer) * 2, GEN, list(range(8)))
+    assert time.monotonic() - start < 4.0
+    assert lost.value.exit_code == 2 and "\n" not in str(lost.value)
+    assert {b["seed"] for b in _completions(fake)} <= {0, 1}  # rows 2..7 never asked
+    assert len(_completions(fake)) <= 4  # two rows, two tries each
+    held = [t for t in threading.enumerate() if t.name.startswith("vllm-server")]
+    assert all(t.daemon for t in held)
+
+
+def test_a_released_call_waiting_on_a_hung_server_ends_at_once(tiny, fake, tmp_path):
+    """A rollout asked for ahead (`pinned`) and dropped (`release`) while its server hangs:
+    the call ends now, not after server.timeout_s (300 s), and its version is unpinned."""
+    folder, tokenizer = tiny
+    client = _client(_model(folder), tokenizer, _gen([fake.url]), tmp_path)
+    policy = client.latest
+    pinned = client.pinned(policy)
+    fake.hang = True
+    outcome: list[BaseException] = []
+
+    def draft() -> None:
+        try:
+            pinned(_queries(tokenizer), GEN, [1, 2, 3, 4])
+        except BaseException as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    thread = threading.Thread(target=draft, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    pinned.release()
+    thread.join(5.0)
+    assert not thread.is_alive() and time.monotonic() - start < 2.0
+    assert isinstance(outcome[0], GenerationServerLost)
+    assert client._pins[policy] == 0
+
+
+def test_cut_or_malformed_answers_are_retried_then_the_server_is_lost(
+    tiny, fake, tmp_path, monkeypatch
+):
+    """An answer cut short (the server died mid-answer: `IncompleteRead`, exit 70 on f41b8ed),
+    a proxy's HTML page, JSON without token ids: each a failed try, retried, then one line
+    naming the server (exit 2)."""
+    folder, tokenizer = tiny
+    monkeypatch.setattr("rlhf_cli.generation.server.time.sleep", lambda s: None)
+    client = _client(_lora_policy(folder), tokenizer, _gen([fake.url], retries=2), tmp_path)
+    query = _queries(tokenizer)[:1]
+    fake.fail = [CUT, NOT_JSON]  # the third try answers
+    assert client.generate(query, GEN, [1]).response_ids.shape[0] == 1
+    fake.fail = [WRONG_SHAPE, NOT_JSON, CUT]
+    with pytest.raises(GenerationServerLost) as lost:
+        client.generate(query, GEN, [1])
+    assert str(lost.value).startswith(
+        f"the rollout server at {fake.url} failed /v1/completions 3 time(s) (the answer was "
+        "cut short (IncompleteRead("
+    )
+    assert lost.value.exit_code == 2
+    fake.fail = [WRONG_SHAPE] * 3
+    with pytest.raises(GenerationServerLost, match="answer without token ids and log-probs"):
+        client.generate(query, GEN, [1])
+
+
+def test_a_model_list_that_is_no_json_is_one_line_naming_the_server(fake):
+    fake.fail = [NOT_JSON]  # a proxy in front of a server that is down; TypeError on f41b8ed
+    with pytest.raises(ModelLoadError) as refused:
+        require_engine(_gen([fake.url]))
+    assert str(refused.value).startswith(
+        f"ppo.generation.server.urls: {fake.url} does not answer (an answer that is no model "
+        "list: '<html>"
+    )
+
+
+def test_an_adapter_loaded_by_a_try_that_timed_out_is_taken_on_the_retry(tiny, fake, tmp_path):
+    """The load takes longer than timeout_s but succeeds; the retry hears 400 "already
+    loaded" (exit 2 on f41b8ed): the server lists that name from that folder, so the sync
+    stands."""
+    folder, tokenizer = tiny
+    policy = _lora_policy(folder)
+    client = _tighter(_client(policy, tokenizer, _gen([fake.url]), tmp_path), timeout_s=0.3)
+    fake.late = [1.0]  # the load answers a second after it loaded
+    version = client.sync(policy)
+    loads = [b for p, b in fake.requests if p == "/v1/load_lora_adapter"][-2:]
+    assert [b["lora_name"] for b in loads] == [version.adapter] * 2  # asked twice
+    assert version.adapter in fake.adapters
+    client.generate(_queries(tokenizer)[:1], GEN, [1], version)
+
+
+def test_a_sync_that_fails_on_the_second_server_leaves_none_holding_the_adapter(tiny, tmp_path):
+    folder, tokenizer = tiny
+    servers = [FakeVLLM(folder, tokenizer), FakeVLLM(folder, tokenizer)]
+    try:
+        policy = _lora_policy(folder)
+        client = _client(policy, tokenizer, _gen([s.url for s in servers]), tmp_path)
+        before = client.latest
+        servers[1].fail = [404]  # refused on the second server
+        with pytest.raises(GenerationServerLost, match=f"{servers[1].url} refused"):
+            client.sync(policy)
+        assert [list(s.adapters) for s in servers] == [[before.adapter]] * 2
+        uploads = sorted(p.name for p in (tmp_path / ".server-sync").glob("rlhf-*"))
+        assert uploads == [before.name]  # the failed version's folder is gone
+        assert client.latest == before
+        client.generate(_queries(tokenizer), GEN, [1, 2, 3, 4], before)  # still answers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_start_up_cleanup_keeps_young_uploads_another_process_may_be_loading(tiny, fake, tmp_path):
+    """Two trainers share a folder: the one starting removes the uploads no server holds that
+    a stopped run left (older than STALE_AFTER_S), not the other's fresh adapter (f41b8ed
+    removed every `rlhf-*` no server listed)."""
+    folder, tokenizer = tiny
+    shared = tmp_path / "shared"
+    fresh, stale = shared / "rlhf-other-v1", shared / "rlhf-stopped-v7"
+    for upload in (fresh, stale):
+        upload.mkdir(parents=True)
+        (upload / "adapter_config.json").write_text("{}")
+    hours_ago = time.time() - 2 * 3600
+    os.utime(stale, (hours_ago, hours_ago))
+    _client(_model(folder), tokenizer, _gen([fake.url], shared_dir=str(shared)), tmp_path)
+    assert fresh.is_dir() and not stale.exists()
+
+
+def test_a_broadcast_that_never_returns_ends_at_the_timeout(tiny, fake, tmp_path, monkeypatch):
+    """`weight_transfer: nccl` to a server whose workers died mid-broadcast: the NCCL group
+    never returns (here a fake engine that blocks forever); the sync ends at server.timeout_s
+    with the server lost (exit 2), where f41b8ed waited forever."""
+    folder, tokenizer = tiny
+    _fake_nccl_vllm(monkeypatch, fake)
+    policy = _model(folder)
+    gen = _gen([fake.url], sync="weights", weight_transfer="nccl")
+    client = _tighter(_client(policy, tokenizer, gen, tmp_path), timeout_s=0.5)
+    client._nccl[fake.url].send_weights = threading.Event().wait  # a group that never returns
+    outcome: list[BaseException] = []
+
+    def sync() -> None:
+        try:
+            client.sync(policy)
+        except BaseException as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    thread = threading.Thread(target=sync, daemon=True)
+    thread.start()
+    thread.join(5.0)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], GenerationServerLost) and outcome[0].exit_code == 2
+    assert str(outcome[0]) == (
+        f"the NCCL weight transfer to {fake.url} did not finish within 0.5 s (server.timeout_s)"
+    )
