@@ -148,10 +148,10 @@ def running_server(
     command: list[str], env: dict[str, str], log: Path, url: str, timeout_s: float
 ) -> Iterator[subprocess.Popen]:
     """The server started in a process group of its own, its output in `log`; yields once it
-    answers its model list, and stops it (SIGINT, then SIGTERM, then SIGKILL) on the way out,
-    however that comes (Ctrl-C included). A server that exits or stays silent past `timeout_s`
-    raises, naming the log."""
-    from rlhf_cli.generation.server import served_models
+    answers its model list, and stops the whole group (`stop_server`) on the way out, however
+    that comes (Ctrl-C included, or the server's own death). A server that exits or stays
+    silent past `timeout_s` raises, naming the log."""
+    from rlhf_cli.generation.server_http import served_models
 
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
@@ -182,19 +182,44 @@ def running_server(
             stop_server(process)
 
 
+STOP_SIGNALS = ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0))
+
+
 def stop_server(process: subprocess.Popen) -> None:
-    """Stop the server's process group: SIGINT (vLLM shuts down cleanly), then harder."""
-    for sig, wait in ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-        if process.poll() is not None:
-            return
+    """Stop everything the server started, whatever died first: its process group (vLLM's
+    `EngineCore` and `Worker` children outlive an API server that was killed, and ignore
+    SIGTERM) gets SIGINT (vLLM shuts down cleanly), then SIGTERM, then SIGKILL, each once the
+    one before has not ended the group within its wait."""
+    for sig, wait in STOP_SIGNALS:
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
-            return
+            return  # the group is empty
+        ends = time.monotonic() + wait
+        while time.monotonic() < ends:
+            process.poll()  # reap the leader: a zombie still counts in its group
+            if not group_runs(process.pid):
+                return
+            time.sleep(0.1)
+
+
+def group_runs(group: int) -> bool:
+    """Whether a process of `group` still runs. A zombie does not: an orphan the init reaps
+    late stays one for a while. Without /proc (not Linux), any member counts."""
+    if not Path("/proc/self/stat").exists():
         try:
-            process.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError):
+            continue  # ended while we looked
+        if int(pgrp) == group and state != "Z":
+            return True
+    return False
 
 
 def _last_line(log: Path) -> str:
