@@ -147,6 +147,8 @@ def pair_of(row: Row) -> Pair:
             return _text_pair(v["chosen"], v["rejected"], where)
     else:
         sides = [messages(v[k], where, k) for k in ("chosen", "rejected")]
+    if any(s and s[-1]["role"] == "assistant" and blank(s[-1]["content"]) for s in sides):
+        raise Unusable(EMPTY_ANSWER)  # HH-RLHF holds dialogues that end in an empty answer
     prompt, chosen = split_answer(sides[0], where, "chosen")
     other, rejected = split_answer(sides[1], where, "rejected")
     if prompt != other:  # one dialogue going on past the other's answer too
@@ -156,16 +158,16 @@ def pair_of(row: Row) -> Pair:
 
 DIFFERENT_PROMPTS = "`chosen` and `rejected` differ before their last assistant turn"
 NO_CUT = "`chosen` or `rejected` is the start of the other (no prompt to cut off)"
+EMPTY_ANSWER = "an empty last assistant turn in `chosen` or `rejected`"
 
 
 def _text_pair(chosen: str, rejected: str, where: str) -> Pair:
     """TRL's implicit prompt for texts: the answers' longest shared start, cut back to a word
     boundary that leaves text in both answers (a space at the cut stays with the answers). A
     pair where one text is the other's start with no such boundary is `Unusable`."""
-    shared = 0
-    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-        shared += 1
-    n = shared
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
     while n and not (chosen[n - 1].isspace() and chosen[n:].strip() and rejected[n:].strip()):
         n -= 1  # a shared first letter is not a prompt, and neither is a whole answer
     if not chosen[:n].strip():

@@ -200,6 +200,7 @@ def test_a_prompt_whose_last_answer_is_empty_is_its_turns_before(tmp_path: Path)
 
 PREFIX = "`chosen` or `rejected` is the start of the other (no prompt to cut off)"
 DIFFERENT = "`chosen` and `rejected` differ before their last assistant turn"
+EMPTY = "an empty last assistant turn in `chosen` or `rejected`"
 HH = "\n\nHuman: What is X?\n\nAssistant: It is Y."
 
 
@@ -228,6 +229,10 @@ def test_pairs_that_cannot_be_split_are_dropped_and_counted(tmp_path: Path) -> N
                              {"chosen": HH, "rejected": longer}])  # fmt: skip
     assert hh.items == [Pair([user("What is X?")], "It is Y.", "It is Z.")]
     assert hh.dropped == {DIFFERENT: 1}
+    unanswered = HH + "\n\nHuman: Sure?\n\nAssistant:"  # HH-RLHF's empty last answers
+    hh = pairs_in(tmp_path, [{"chosen": HH, "rejected": HH.replace("Y.", "Z.")},
+                             {"chosen": longer, "rejected": unanswered}])  # fmt: skip
+    assert len(hh.items) == 1 and hh.dropped == {EMPTY: 1}
     path = write_jsonl(tmp_path / "q.jsonl", [good, no_word])
     prompts = load_prompts(PromptSource(path=str(path), min_words=0))
     assert [prompt_text(p) for p in prompts.items] == ["The sky is"]
