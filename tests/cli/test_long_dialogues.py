@@ -167,31 +167,46 @@ def test_validate_data_exits_2_naming_the_row_a_template_fails_on(tmp_path):
     assert line.endswith("no rice here (fix the row, or model.chat_template)")
 
 
-@pytest.mark.slow
-def test_ppo_trains_on_long_dialogues_under_an_alternating_template(chdir_tmp):
-    """The tiny equivalent of `rlhf ppo --recipe recipes/mistral7b.yaml` on the long dialogues:
-    no SFT, a pretrained reward model, prompts cut to 60 tokens."""
-    data, jinja = write_dialogues(chdir_tmp / "data")
+def _ppo(folder: Path, template: str, **more: str):
+    """`rlhf ppo` on the tiny model with the guide recipe's shape (no SFT, a pretrained reward
+    model) on the long dialogues, cut to 60 tokens."""
+    data, jinja = write_dialogues(folder / "data", template)
     sets = {
-        "run.output_dir": str(chdir_tmp / "runs"),
+        "run.output_dir": str(folder / "runs"),
         "sft.enabled": "false",
         "reward.base_model": "null",
         "reward.pretrained": "builtin:minilm",
         "model.chat_template": str(jinja),
         "data.prompts.path": str(data),
         "data.prompts.max_tokens": "60",
-        "ppo.iterations": "1",
-        "ppo.batch_size": "4",
-        "ppo.mini_batch_size": "2",
-        "ppo.ppo_epochs": "1",
-        "ppo.eval_every": "1",
-        "ppo.save_freq": "1",
-        "ppo.generation.max_new_tokens": "8",
+        **more,
     }
     args = ["ppo", "--recipe", str(REPO / "recipes" / "tiny.yaml")]
     for key, value in sets.items():
         args += ["--set", f"{key}={value}"]
-    result = CliRunner().invoke(app, args)
+    return CliRunner().invoke(app, args)
+
+
+def test_ppo_exits_2_naming_the_row_a_template_fails_on(chdir_tmp):
+    result = _ppo(chdir_tmp, FAILS_ON_ROW_4)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert line == (
+        f'error: {chdir_tmp / "data" / "hh.jsonl"}: kept prompt 4 ("Question 0 of dialogue 3: '
+        'how do I keep the flow…"): the chat template fails on it: no rice here (fix the row, '
+        "or model.chat_template)"
+    )
+
+
+@pytest.mark.slow
+def test_ppo_trains_on_long_dialogues_under_an_alternating_template(chdir_tmp):
+    """The tiny equivalent of `rlhf ppo --recipe recipes/mistral7b.yaml` on the long
+    dialogues."""
+    short = {"ppo.iterations": "1", "ppo.batch_size": "4", "ppo.mini_batch_size": "2",
+             "ppo.ppo_epochs": "1", "ppo.eval_every": "1", "ppo.save_freq": "1",
+             "ppo.generation.max_new_tokens": "8"}  # fmt: skip
+    result = _ppo(chdir_tmp, MISTRAL_V02, **short)
     assert result.exit_code == 0, result.output
     manifest = json.loads((chdir_tmp / "runs" / "tiny" / "ppo" / "manifest.json").read_text())
     assert manifest["status"] == "completed" and manifest["metrics"]["iterations"] == 1
