@@ -90,9 +90,8 @@ def _prompt_tokens(
 
 
 def _render(tokenizer: Any, turns: Conversation, prompt: Conversation, where: str) -> str:
-    """The chat template over `turns` with the generation prompt; any failure (a Jinja
-    `raise_exception`, a template that indexes what is not there) is a `DataError` naming the
-    prompt."""
+    """The chat template over `turns` with the generation prompt; any failure (the template's
+    own `raise_exception`, a type error in its Jinja) is a `DataError` naming the prompt."""
     try:
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # the template is user code: whatever it raises is about this row
