@@ -289,6 +289,8 @@ def data_check(result: dict[str, Any], out: Console) -> None:
                 table.add_row("layout", f"{escape(layout)}  [dim]{escape(source)}[/]")
             table.add_row("dropped", _counts(figures["dropped"]))
             table.add_row("cut", _counts({**figures["cut"], **figures["over_limit"]}))
+            if figures.get("exchanges_dropped"):
+                table.add_row("exchanges dropped", str(figures["exchanges_dropped"]))
             table.add_row(f"prompt tokens p50/p95/max ({figures['tokenised']} rows)",
                           _lengths(figures, "prompt_tokens"))  # fmt: skip
             if "answer_tokens" in figures:
