@@ -37,13 +37,27 @@ def check_lora_targets(model: nn.Module, lora: LoraSection, field: str) -> None:
 
 def model_context(model: Any) -> int | None:
     """The most tokens `model` takes in one sequence: its (text) config's
-    `max_position_embeddings` (GPT-2's `n_positions` through its attribute map); None where the
-    config gives none."""
+    `max_position_embeddings` (GPT-2's `n_positions` through its attribute map) less the
+    positions its table keeps before the first token's (`reserved_positions`: RoBERTa's 514
+    take 512 tokens); None where the config gives none."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
     context = getattr(config, "max_position_embeddings", None)
-    return context if isinstance(context, int) and context > 0 else None
+    if not isinstance(context, int) or context <= 0:
+        return None
+    return context - reserved_positions(model)
+
+
+def reserved_positions(model: Any) -> int:
+    """Rows of `model`'s learned position table that no token uses: RoBERTa-style embeddings
+    (RoBERTa, XLM-R, CamemBERT, Longformer...) number positions from `padding_idx + 1`, the
+    padding index of their `position_embeddings`; 0 for every other model."""
+    for module in getattr(model, "modules", list)():
+        table = getattr(module, "position_embeddings", None)
+        if isinstance(table, nn.Embedding) and table.padding_idx is not None:
+            return table.padding_idx + 1
+    return 0
 
 
 def check_context(model: Any, lengths: dict[str, int], whose: str) -> None:

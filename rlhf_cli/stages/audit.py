@@ -15,7 +15,7 @@ from rlhf_cli.audit.detectors import audit_responses
 from rlhf_cli.audit.measure import audit_policy
 from rlhf_cli.data import audit_prompts, read_responses
 from rlhf_cli.generation import require_engine
-from rlhf_cli.modeling import pick_device
+from rlhf_cli.modeling import check_devices, pick_device
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.record import StageRecord
 from rlhf_cli.resume import named_checkpoint
@@ -50,6 +50,7 @@ def run_audit(
         label = f"responses-{responses_file.stem}"  # never a policy audit's or a stage file's
     else:
         device = pick_device(recipe.run.device)
+        check_devices(recipe, "audit")
         seed_everything(recipe.run.seed)  # the same audit twice samples the same responses
         require_engine(cfg.generation, "audit.generation")
         if checkpoint is not None and not checkpoint.exists():  # best, last, iter_N

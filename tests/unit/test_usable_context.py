@@ -10,9 +10,6 @@ import torch
 
 from rlhf_cli.errors import ModelLoadError
 
-# model_checks.py is another helper's file: the edit that makes these pass is in the #50 report
-# (`reserved_positions`); remove this marker with it.
-NEEDS_EDIT = pytest.mark.xfail(strict=True, reason="#50 item 13b: model_context edit pending")
 POSITIONS = 18  # the config's `max_position_embeddings`; pad id 1: 16 tokens fit, as 514 -> 512
 
 
@@ -40,7 +37,6 @@ def _roberta(vocab: int):
     return RobertaForSequenceClassification(config).eval()
 
 
-@NEEDS_EDIT
 def test_a_roberta_model_takes_two_positions_fewer_than_its_config_says(tokenizer) -> None:
     from rlhf_cli.model_checks import check_context, model_context
 
@@ -74,7 +70,6 @@ def test_a_bert_model_takes_every_position_its_config_says() -> None:
     model(torch.full((1, POSITIONS), 5))  # every position is usable
 
 
-@NEEDS_EDIT
 def test_the_reward_scorer_refuses_a_max_length_a_roberta_model_cannot_take(tokenizer) -> None:
     from rlhf_cli.scoring import RewardScorer
 
