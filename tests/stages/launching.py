@@ -20,7 +20,8 @@ from rlhf_cli.recipe import load_recipe
 from rlhf_cli.rundir import RunDir
 from rlhf_cli.tracking import read_metrics
 
-REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 CONFIGS = {
     "ddp": "ddp_cpu_2proc.yaml",
     "fsdp": "fsdp_cpu_2proc.yaml",
@@ -64,30 +65,42 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(engine: str, folder: Path, *extra: str) -> RunDir:
+def launch(engine: str, folder: Path, *extra: str, module: str = "rlhf_cli.cli") -> RunDir:
     """`accelerate launch` of `rlhf ppo` on two CPU processes in `folder`; the run it wrote."""
+    run = RunDir.for_recipe(load_recipe(folder / "recipe.yaml"))
+    for _attempt in range(2):  # torchrun rarely reports a failure after both ranks finished
+        out = launched(engine, folder, *extra, module=module)
+        manifest = run.read_manifest("ppo")
+        if manifest and manifest["status"] == "completed":
+            return run
+    raise AssertionError(out.stdout[-3000:] + out.stderr[-3000:])
+
+
+def launched(
+    engine: str, folder: Path, *extra: str, module: str = "rlhf_cli.cli", timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """One `accelerate launch` of `python -m <module> ppo` (the CLI, or a test's wrapper of it
+    in this folder) on two CPU processes in `folder`, however it ends; a hang past `timeout`
+    seconds fails the test."""
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed")
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--config_file", str(REPO / "recipes" / "accelerate" / CONFIGS[engine]),
            "--main_process_port", str(free_port()),
-           "-m", "rlhf_cli.cli", "ppo", "--recipe", str(folder / "recipe.yaml"), "--quiet",
+           "-m", module, "ppo", "--recipe", str(folder / "recipe.yaml"), "--quiet",
            *extra]  # fmt: skip
-    run = RunDir.for_recipe(load_recipe(folder / "recipe.yaml"))
-    for _attempt in range(2):  # torchrun rarely reports a failure after both ranks finished
-        # its own process group: a hang is killed with every process the launcher started
-        proc = subprocess.Popen(cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)  # fmt: skip
-        try:
-            out, err = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            raise AssertionError(f"{engine} hung for 300 s: {err[-3000:]}") from None
-        manifest = run.read_manifest("ppo")
-        if manifest and manifest["status"] == "completed":
-            return run
-    raise AssertionError(out[-3000:] + err[-3000:])
+    path = [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]  # for a test's wrapper
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    # its own process group: a hang is killed with every process the launcher started
+    proc = subprocess.Popen(cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env=env)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{engine} hung for {timeout:g} s: {err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def rows(run: RunDir) -> list[dict[str, Any]]:
