@@ -97,7 +97,7 @@ def test_a_server_lost_to_one_process_ends_every_process_together(
     (line,) = errors
     assert f"the rollout server at {fake.url}" in line
     assert "checkpoint iter_00001 (iteration 1) holds the run" in line and "--resume" in line
-    assert out.stderr.count("exitcode  : 2") == 2 or out.returncode == 2, out.stderr[-4000:]
+    assert "exitcode  : 2" in out.stderr, out.stderr[-4000:]  # torchrun's report of the ranks
     stage = run.stage_dir("ppo")
     assert [f.name for f in checkpoint_folders(stage / "checkpoints", PPO_CHECKPOINT)] == [
         "iter_00001"
