@@ -84,11 +84,9 @@ def collect_rollout(run: PPORun, iteration: int) -> Rollout:
     cfg, acc, models = run.recipe.ppo, run.accelerator, run.models
     kl_coef = run.state.kl_ctl.value
     with acc.autocast(), models.engine.gathered(models.actor) as actor:
-        start = time.perf_counter()
-        draft, answers, generating = answered_everywhere(
+        draft, answers, waited, generating = answered_everywhere(
             acc, lambda: answered_draft(run, iteration, actor.policy)
         )
-        waited = time.perf_counter() - start
         rollout = rollout_batch(
             actor,
             models.reference if kl_coef > 0 else None,
@@ -106,17 +104,22 @@ def collect_rollout(run: PPORun, iteration: int) -> Rollout:
     return rollout
 
 
-def answered_draft(run: PPORun, iteration: int, policy: Any) -> tuple[Draft, Generations, float]:
+def answered_draft(
+    run: PPORun, iteration: int, policy: Any
+) -> tuple[Draft, Generations, float, float]:
     """Iteration `iteration`'s draft, answered (by `policy`, the latest weights, unless it was
-    asked for ahead), with its answers and the seconds they took; with `async_steps` the later
-    iterations' drafts are asked for, from `policy`. Generation alone: no collective."""
+    asked for ahead), with its answers, the seconds waited for them and the seconds answering
+    took; with `async_steps` the later iterations' drafts are asked for, from `policy`.
+    Generation alone: no collective."""
     cfg, generator, drafts = run.recipe.ppo, run.models.generator, run.drafts
+    start = time.perf_counter()
     draft = drafts.pending.pop(iteration, None)
     synced = draft is None
     if draft is None:
         generator.sync(policy)  # a separate engine gets the latest weights
         draft = ask_rollout(run, iteration)
     answers, generating = draft.answers.result()
+    waited = time.perf_counter() - start
     if cfg.generation.async_steps:
         if not synced:
             generator.sync(policy)
@@ -124,7 +127,7 @@ def answered_draft(run: PPORun, iteration: int, policy: Any) -> tuple[Draft, Gen
         for later in range(iteration + 1, last + 1):
             if later not in drafts.pending:
                 drafts.pending[later] = ask_rollout(run, later, version=iteration - 1)
-    return draft, answers, generating
+    return draft, answers, waited, generating
 
 
 def ask_rollout(run: PPORun, iteration: int, version: int | None = None) -> Draft:
