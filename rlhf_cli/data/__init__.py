@@ -90,6 +90,7 @@ def _drop(data: StageData[T], keep: Callable[[T], bool], reason: str) -> None:
         data.dropped[reason] = data.dropped.get(reason, 0) + len(data.items) - len(kept)
     data.items = [data.items[i] for i in kept]
     data.origins = [data.origins[i] for i in kept]
+    data.texts = [data.texts[i] for i in kept] if data.texts else []
 
 
 def load_sft(
@@ -127,6 +128,7 @@ def load_prompts(
     """PPO prompts of any layout: each turn cut to `max_chars`, prompts of fewer than
     `min_words` words (over all turns) dropped."""
     data = _load(source, "prompts", prompt_of, cache_dir, limit)
+    data.texts = [prompt_text(p) for p in data.items]  # as the reward data holds them
     cut = 0
     for prompt in data.items:
         for message in prompt:

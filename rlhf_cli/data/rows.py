@@ -70,6 +70,7 @@ class StageData(Generic[T]):
     origins: list[int] = field(default_factory=list)  # per item: its source's index in `weights`
     weights: list[float] = field(default_factory=list)  # per source: its `weight`
     warnings: list[str] = field(default_factory=list)  # for the stage's manifest (`hold_out`)
+    texts: list[str] = field(default_factory=list)  # PPO prompts: each one's text before the cut
 
     def summary(self) -> dict[str, Any]:
         return {"rows_read": self.rows, "kept": len(self.items), "layouts": self.layouts,

@@ -52,8 +52,8 @@ class SourceSpec(Section):
     )
     weight: float = described(
         1.0,
-        "In a mixture (`sources`): this source's rows times `weight` (0.5 keeps a seeded half, 2 "
-        "takes every row twice).",
+        "In a mixture (`sources`): this source's training rows times `weight`, applied after the "
+        "held-out split (0.5 keeps a seeded half, 2 takes every row twice).",
         gt=0.0,
     )
 

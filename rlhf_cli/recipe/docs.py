@@ -73,9 +73,10 @@ system message its first paragraph), at train-rm and in PPO alike.
 | preference, implicit prompt | `chosen`, `rejected` | | yes | its prompt |
 
 Alpaca's `instruction` / `input` / `output` is prompt-completion (the input follows the
-instruction after a blank line); a `system` column opens the prompt with a system message. A
-source holds one layout: a row of another is one error naming the file and line (make two
-`sources`). Names of your own go through `columns` (ours: the dataset's).
+instruction after a blank line); a `system` column opens the prompt with a system message (an
+empty one, or an empty system message, is none). A source holds one layout: a row of another is
+one error naming the file and line (make two `sources`). Names of your own go through `columns`
+(ours: the dataset's).
 
 HH-RLHF (`chosen` / `rejected` dialogues of `Human:` / `Assistant:` turns; the prompt keeps the
 whole dialogue before the last answer):

@@ -25,9 +25,9 @@ from rlhf_cli.data import (
     Example,
     Pair,
     StageData,
+    hold_out,
     overlap,
     prompt_text,
-    split_heldout,
 )
 from rlhf_cli.data.prompts import prompt_tokens, tokenize_prompts
 from rlhf_cli.scoring import RewardScorer
@@ -162,7 +162,7 @@ def prompt_figures(
     max_tokens, max_new_tokens = limits
     where = f"{', '.join(data.layouts)}: kept prompt"
     tokens = prompt_tokens(tokenizer, data.items[:sample], chat, max_tokens, where)
-    train, heldout = split_heldout(data.items, eval_fraction)
+    train, heldout = hold_out(data, eval_fraction)  # as PPO splits: weights after the split
     return {
         **_base(data, sample),
         "prompt_tokens": percentiles([t.full_tokens for t in tokens]),

@@ -23,7 +23,7 @@ from rich.console import Console
 from trl.trainer.reward_trainer import DataCollatorForPreference
 from trl.trainer.utils import pad
 
-from rlhf_cli.data import load_preferences, prompt_text, split_eval
+from rlhf_cli.data import Pair, hold_out, load_preferences, prompt_text, split_eval
 from rlhf_cli.errors import StageError
 from rlhf_cli.model_checks import check_lora_targets
 from rlhf_cli.modeling import (
@@ -136,18 +136,20 @@ def setup(recipe: Recipe, run: RunDir, device: torch.device, record: StageRecord
             f"{same} preference pair(s) of {recipe.data.preferences.where()} have the same "
             "chosen and rejected answer: skipped"
         )
-    # the reward model reads a prompt as its text, the same text PPO's rollouts are scored with
-    pairs = [
-        {"prompt": prompt_text(p.prompt), "chosen": p.chosen, "rejected": p.rejected}
-        for p in data.items
-    ]
-    train_pairs, eval_pairs = split_eval(
-        pairs, recipe.data.preferences.eval_fraction, recipe.run.seed
-    )
+    train, held = hold_out(data, recipe.data.preferences.eval_fraction, recipe.run.seed)
+    for warning in data.warnings:  # pairs the data holds twice, held out and trained on
+        record.warn(warning)
+    train_pairs, eval_pairs = list(map(_as_text, train)), list(map(_as_text, held))
     train_pairs, judge_pairs = split_judge(train_pairs, cfg.judge_fraction, recipe.run.seed)
     proxy = reward_data(recipe, device, record, train_pairs, eval_pairs)
     record.manifest["data"] = {"preferences": preference_figures(data, proxy.scorer)}
     return proxy._replace(judge_pairs=judge_pairs)
+
+
+def _as_text(pair: Pair) -> dict[str, str]:
+    """A pair as the reward model reads it: its prompt as text, the text PPO's rollouts are
+    scored with."""
+    return {"prompt": prompt_text(pair.prompt), "chosen": pair.chosen, "rejected": pair.rejected}
 
 
 def split_judge(

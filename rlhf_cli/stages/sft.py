@@ -7,8 +7,7 @@ from typing import Any
 
 from rich.console import Console
 
-from rlhf_cli.data import Example, load_sft, prompt_text, split_eval
-from rlhf_cli.data.figures import sft_figures
+from rlhf_cli.data import Example, hold_out, load_sft, prompt_text
 from rlhf_cli.errors import StageError
 from rlhf_cli.model_checks import check_context, check_vocab
 from rlhf_cli.modeling import (
@@ -24,6 +23,7 @@ from rlhf_cli.record import StageRecord
 from rlhf_cli.resume import trainer_resume_point
 from rlhf_cli.rundir import Manifest, RunDir
 from rlhf_cli.stages.common import drop_checkpoints, seed_everything
+from rlhf_cli.stages.data_figures import sft_figures
 from rlhf_cli.stages.trainers import (
     StageCallback,
     drop_printer,
@@ -92,8 +92,10 @@ def setup(
     cfg, device = recipe.sft, pick_device(recipe.run.device)
     chat = recipe.model.prompt_format == "chat"
     data = load_sft(recipe.data.sft, cache_dir=run.path / ".cache")
-    rows = [trl_row(example, chat) for example in data.items]
-    train_rows, eval_rows = split_eval(rows, recipe.data.sft.eval_fraction, recipe.run.seed)
+    train, held = hold_out(data, recipe.data.sft.eval_fraction, recipe.run.seed)
+    train_rows, eval_rows = ([trl_row(e, chat) for e in side] for side in (train, held))
+    for warning in data.warnings:  # rows the data holds twice, held out and trained on
+        record.warn(warning)
     source = recipe.model.tokenizer or recipe.model.name_or_path
     tokenizer = load_policy_tokenizer(recipe.model, source, "right")
     record.manifest["data"] = {"sft": sft_figures(data, tokenizer, chat, cfg.max_length)}

@@ -16,6 +16,7 @@ from rlhf_cli.data import (
     Example,
     Pair,
     audit_prompts,
+    hold_out,
     load_preferences,
     load_prompts,
     load_sft,
@@ -307,8 +308,11 @@ def test_a_mixture_weights_each_source(tmp_path: Path) -> None:
     )
     mixed = DataSource(sources=[{"path": str(a), "weight": 0.5}, {"path": str(c), "weight": 2}])
     data = load_sft(mixed, tmp_path / "c")
-    assert len(data.items) == 5 + 2 and data.rows == 11
-    assert len({e.prompt[0]["content"] for e in data.items[:5]}) == 5  # a draw without repeats
+    assert len(data.items) == 10 + 1 and data.rows == 11  # each row once: weights at the split
+    train, held = hold_out(data, 0.2, seed=0)  # holds out a8, a9; a seeded half of the rest
+    assert [e.prompt[0]["content"] for e in held] == ["a8", "a9"]
+    prompts = [e.prompt[0]["content"] for e in train]
+    assert prompts == ["a1", "a7", "a4", "conversational prompt", "conversational prompt", "a6"]
     assert data.layouts == {
         str(a): "prompt-completion · standard",
         str(c): "prompt-completion · conversational",
