@@ -248,7 +248,10 @@ def validate(
     sample: Annotated[
         int,
         typer.Option(
-            "--sample", min=1, help="With --data: rows streamed from a hub dataset and tokenised."
+            "--sample",
+            min=1,
+            help="With --data: rows read from a hub dataset (streamed where its split allows) "
+            "and tokenised.",
         ),
     ] = 2000,
     as_json: JsonOpt = False,

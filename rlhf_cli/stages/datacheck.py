@@ -26,8 +26,9 @@ from rlhf_cli.stages.data_figures import (
 
 def check_data(recipe: Recipe, row: int | None, sample: int) -> dict[str, Any]:
     """{stage: figures or {"error": ...}} for the stages this recipe runs, and `ok`. A hub
-    dataset is read by streaming its first `sample` rows; the figures tokenise at most `sample`
-    rows of each stage."""
+    dataset is read for its first `sample` rows (streamed unless a percentage or negative slice
+    of its split needs the whole split, as training reads it); the figures tokenise at most
+    `sample` rows of each stage."""
     checks: dict[str, Callable[[], dict[str, Any]]] = {}
     if recipe.sft.enabled and recipe.data.sft is not None:
         checks["sft"] = lambda: _sft(recipe, row, sample)
