@@ -19,10 +19,11 @@ from rich.console import Console
 from rich.markup import escape
 from safetensors.torch import save_file
 
-from rlhf_cli.data import audit_prompts, load_prompts, prompt_text, split_heldout
+from rlhf_cli.data import audit_prompts, hold_out, load_prompts, prompt_text
 from rlhf_cli.generation import Generator, require_engine, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
+    check_devices,
     load_policy_tokenizer,
     mixed_precision,
     pick_device,
@@ -71,6 +72,7 @@ def run_ppo(recipe: Recipe, console: Console, resume: bool = False) -> Manifest:
     """Align the policy with PPO; write `runs/<name>/ppo/`; return its manifest."""
     run = RunDir.for_recipe(recipe)
     device = pick_device(recipe.run.device)
+    check_devices(recipe, "ppo")
     require_engine(recipe.ppo.generation)
     if device.type == "cuda":
         warn_over_plan(recipe, console)
@@ -246,12 +248,12 @@ def prompt_inputs(
     tokenizer = load_policy_tokenizer(recipe.model, sources.tokenizer, "left")
     source = recipe.data.prompts
     data = load_prompts(source, cache_dir=run.path / ".cache")
-    texts = [prompt_text(p) for p in data.items]
-    for warning in startup_warnings(recipe, run, texts):
+    chat = recipe.model.prompt_format == "chat"
+    train, heldout = hold_out(data, source.eval_fraction)
+    # the prompts' texts before max_chars cut them, as the reward model's data holds them
+    for warning in [*startup_warnings(recipe, run, data.texts), *data.warnings]:
         record.warn(warning)
         console.print(f"[yellow]warning[/]: {escape(warning)}", highlight=False)
-    chat = recipe.model.prompt_format == "chat"
-    train, heldout = split_heldout(data.items, source.eval_fraction)
     record.manifest["prompts"] = {"train": len(train), "heldout": len(heldout)}
     limits = (source.max_tokens, recipe.ppo.generation.max_new_tokens)
     figures = prompt_figures(data, tokenizer, chat, limits, source.eval_fraction)

@@ -23,6 +23,7 @@ REPORT = {
 
 class FakeAccelerator:
     is_main_process = True
+    num_processes = 1
     device = "cpu"
 
     def __init__(self) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import pytest
 from rich.console import Console
 
 from rlhf_cli.ppo.models import PpoSources
@@ -17,11 +16,6 @@ from rlhf_cli.rundir import RunDir, atomic_write_json
 LONG = "How should I store fresh basil so that it keeps for a week? " * 3  # 180 characters
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs load_prompts to keep each prompt's text before the max_chars cut and "
-    "ppo.prompt_inputs to compare that (the edit is in the #50 item 13 report)",
-)
 def test_a_prompt_cut_at_max_chars_still_counts_as_seen_by_the_reward_model(make_recipe, tmp_path):
     from rlhf_cli.stages.ppo import prompt_inputs
 

@@ -32,6 +32,7 @@ def _run(tmp_path: Path, rollback_to: str, best: dict[str, Any] | None) -> Simpl
         recipe=recipe, state=state, stage_dir=tmp_path, best=best, rollbacks=[],
         drafts=SimpleNamespace(drop=lambda: None), logs=SimpleNamespace(warn=lambda _: None),
         models=SimpleNamespace(engine=None, actor=None),
+        accelerator=SimpleNamespace(num_processes=1, is_main_process=True),
     )  # fmt: skip
 
 
