@@ -12,6 +12,13 @@ line per problem), `docs` (the reference page).
 
 from rlhf_cli.recipe.data import DataSection, DataSource, PromptSource, SourceSpec, StageSource
 from rlhf_cli.recipe.docs import DATA_LAYOUTS, schema_markdown
+from rlhf_cli.recipe.eval import (
+    BenchmarksSection,
+    ChecksSection,
+    EvalJudgeSection,
+    EvalSection,
+    GateSection,
+)
 from rlhf_cli.recipe.load import default_recipe_path, load_recipe, parse_recipe
 from rlhf_cli.recipe.model import LoraSection, ModelSection, QuantizationSection, RunSection
 from rlhf_cli.recipe.names import BUILTIN_PREFIX, ESTIMATORS
@@ -24,8 +31,13 @@ __all__ = [
     "DATA_LAYOUTS",
     "ESTIMATORS",
     "AuditSection",
+    "BenchmarksSection",
+    "ChecksSection",
     "DataSection",
     "DataSource",
+    "EvalJudgeSection",
+    "EvalSection",
+    "GateSection",
     "GenerationSection",
     "LoraSection",
     "MergeSection",

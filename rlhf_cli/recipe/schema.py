@@ -17,6 +17,7 @@ from pydantic import (
 from rlhf_cli.guide import GUIDE_AUDIT_PROMPTS, GUIDE_SYCOPHANTIC_OPENERS
 from rlhf_cli.recipe.base import Section, described, resolve_local
 from rlhf_cli.recipe.data import DataSection
+from rlhf_cli.recipe.eval import EvalSection
 from rlhf_cli.recipe.model import ModelSection, RunSection
 from rlhf_cli.recipe.names import VLLM_BACKENDS
 from rlhf_cli.recipe.ppo import GenerationSection, PpoSection
@@ -159,20 +160,29 @@ class Recipe(Section):
     audit: AuditSection = described(AuditSection(), "Reward-hacking audit.")
     merge: MergeSection = described(MergeSection(), "Merging LoRA into the base.")
     push: PushSection = described(PushSection(), "Publishing to the hub.")
+    eval: EvalSection = described(
+        EvalSection(), "Yardsticks outside the reward model (`rlhf eval`)."
+    )
 
     @model_validator(mode="after")
     def _vllm_full_precision(self) -> Recipe:
         four_bit = self.model.quantization.load_in_4bit
-        for name, gen in (("ppo", self.ppo.generation), ("audit", self.audit.generation)):
+        generating = (
+            ("ppo", self.ppo.generation),
+            ("audit", self.audit.generation),
+            ("eval", self.eval.generation),
+        )
+        for name, gen in generating:
             if four_bit and gen.backend in VLLM_BACKENDS:
                 raise ValueError(
                     f"{name}.generation.backend: {gen.backend} serves the policy's "
                     "full-precision weights: set model.quantization.load_in_4bit: false (or "
                     "backend: hf)"
                 )
-        if self.audit.generation.async_steps:
-            raise ValueError("audit.generation.async_steps: only PPO's rollouts overlap")
-        for name, gen in (("ppo", self.ppo.generation), ("audit", self.audit.generation)):
+        for name, gen in generating[1:]:
+            if gen.async_steps:
+                raise ValueError(f"{name}.generation.async_steps: only PPO's rollouts overlap")
+        for name, gen in generating:
             if (
                 gen.backend == "vllm_server"
                 and gen.server.sync == "lora"
