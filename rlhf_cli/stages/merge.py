@@ -21,9 +21,7 @@ from typing import Any, Literal
 import torch
 from rich.console import Console
 
-from rlhf_cli.data import audit_prompts
 from rlhf_cli.errors import MergeMismatch, StageError
-from rlhf_cli.generation import forward_logits, left_pad, tokenize_prompts
 from rlhf_cli.modeling import (
     check_devices,
     load_policy_tokenizer,
@@ -36,13 +34,14 @@ from rlhf_cli.recipe import ModelSection, Recipe
 from rlhf_cli.record import StageRecord, require
 from rlhf_cli.resume import named_checkpoint
 from rlhf_cli.rundir import Manifest, RunDir
-from rlhf_cli.stages.trained import PolicyLocation, load_policy, locate_policy
-
-# A bf16/fp16 copy of a model differs from its float32 original by a few rounding steps
-# (machine epsilon x the largest |logit|): measured on Llamas + LoRA of 2 to 24 layers, random
-# and SFT-trained, 0.5 to 4.4 steps in both dtypes. 16 leaves room for deeper models; a wrong
-# merge is caught before the cast, in float32, within merge.atol.
-CAST_ULPS = 16
+from rlhf_cli.stages.trained import (
+    PolicyLocation,
+    cast_tolerance,  # noqa: F401 - tests/unit/test_merge.py imports it from here
+    load_policy,
+    locate_policy,
+    merge_and_cast,
+    merge_check_inputs,
+)
 
 
 def merge_model_config(recipe: Recipe, dtype: torch.dtype) -> ModelSection:
@@ -57,64 +56,6 @@ def load_dtype(base: str, dtype: torch.dtype) -> torch.dtype:
 
     stored = str(getattr(load_config(base), "dtype", None) or torch.float32)
     return dtype if stored.removeprefix("torch.") == str(dtype).split(".")[1] else torch.float32
-
-
-def cast_tolerance(dtype: torch.dtype, scale: float, atol: float) -> float:
-    """The largest |logit difference| allowed between a model cast to `dtype` and its float32
-    original whose largest |logit| is `scale`: `merge.atol` for float32, else CAST_ULPS rounding
-    steps (machine epsilon) of `dtype` at that scale, never less than `merge.atol`."""
-    if dtype == torch.float32:
-        return atol
-    return max(atol, CAST_ULPS * torch.finfo(dtype).eps * scale)
-
-
-@torch.inference_mode()
-def _logits(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return forward_logits(model, ids, mask).float()[mask.bool()]
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max())  # nan when either has a nan: `not diff <= tol` refuses it
-
-
-def merge_and_cast(
-    model: Any, ids: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype, atol: float
-) -> tuple[Any, dict[str, Any], str | None]:
-    """Merge the adapter model `model` (its adapter in float32) and cast it once to `dtype`,
-    checking the merge against the adapter model's logits on `ids`: within `atol` on a float32
-    base (then the cast within `cast_tolerance`), within `cast_tolerance` on a base already
-    in `dtype`. Returns the merged model, the manifest's metrics (each figure once: the merged
-    model's difference and its bound; with a cast, also the float32 merge's and `merge.atol`),
-    and why it is refused (None when it passes)."""
-    in_fp32 = model.get_base_model().dtype == torch.float32
-    before = _logits(model, ids, mask)
-    merged = model.merge_and_unload()
-    merge_diff = _max_diff(_logits(merged, ids, mask), before)
-    diff = merge_diff
-    if dtype != torch.float32 and in_fp32:
-        merged = merged.to(dtype)
-        diff = _max_diff(_logits(merged, ids, mask), before)
-    tolerance = cast_tolerance(dtype, float(before.abs().max()), atol)
-    cast = in_fp32 and dtype != torch.float32  # a float32 merge, then a cast: two checks
-    metrics = {
-        "max_abs_logit_diff": diff,
-        "tolerance": tolerance,
-        **({"merge_logit_diff_fp32": merge_diff, "merge_atol": atol} if cast else {}),
-        "dtype": str(next(merged.parameters()).dtype),
-        "parameters": sum(p.numel() for p in merged.parameters()),
-    }
-    problem = None
-    if in_fp32 and not merge_diff <= atol:
-        problem = (
-            f"the float32 merge changes the adapter model's logits by {merge_diff:.3g} > "
-            f"merge.atol ({atol})"
-        )
-    elif not diff <= tolerance:
-        problem = (
-            f"the merged model in {dtype} differs from the float32 adapter model's logits by "
-            f"{diff:.3g} > {tolerance:.3g} ({CAST_ULPS} rounding steps of its largest logit)"
-        )
-    return merged, metrics, problem
 
 
 def _adapter_location(
@@ -180,10 +121,7 @@ def run_merge(
         tokenizer = load_policy_tokenizer(recipe.model, tok_source, "left")
 
         # 2. Merge (each layer's delta in float32), cast to merge.dtype, check the logits.
-        queries = tokenize_prompts(
-            tokenizer, audit_prompts(recipe.audit)[:4], recipe.model.prompt_format == "chat", 64
-        )
-        ids, mask = left_pad(queries, tokenizer.pad_token_id, device)
+        ids, mask = merge_check_inputs(recipe, tokenizer, device)
         merged, record.manifest["metrics"], problem = merge_and_cast(
             model, ids, mask, dtype, recipe.merge.atol
         )
