@@ -1,0 +1,149 @@
+"""Benchmarks through lm-evaluation-harness (`eval.benchmarks`), and the alignment tax: each
+task's score minus the baseline's.
+
+The harness is an optional extra (`rlhf-cli[eval]`), imported here only when a recipe asks for
+benchmarks, so the CLI stays light. The policy comes in already loaded (a LoRA policy merged by
+the stage), and its prompts are rendered as training rendered them: through the chat template
+with the generation prompt and no added special tokens (`prompt_format: chat`), or as plain text
+with the tokenizer's own; what was applied is named per task in the result, since the same
+model scores very differently either way (lm-eval #1841, #2316).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from rlhf_cli.errors import EvalError
+from rlhf_cli.recipe import BenchmarksSection
+
+INSTALL = "pip install 'rlhf-cli[eval]'"
+
+
+def run_benchmarks(
+    cfg: BenchmarksSection, model: Any, tokenizer: Any, chat: bool
+) -> dict[str, dict]:
+    """Per task of `cfg.tasks`: its main metric (the first the harness reports, first filter),
+    `score`, the harness's `stderr` (None where it has none), `higher_is_better`,
+    `chat_template` (applied or not) and `n` (documents scored). `chat`: training rendered
+    prompts through the chat template; `cfg.chat_template` `auto` follows it."""
+    lm_eval, hflm, tasks = _harness()
+    applied = _chat_applied(cfg.chat_template, chat, tokenizer)
+    manager = _task_manager(tasks, cfg)
+    lm = hflm(
+        pretrained=model,
+        tokenizer=tokenizer,
+        batch_size=cfg.batch_size,
+        add_bos_token=False if applied else None,  # training: the template's tokens alone
+    )
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=[_task_spec(manager, name, cfg.include_path) for name in cfg.tasks],
+        num_fewshot=cfg.num_fewshot,
+        limit=cfg.limit,
+        task_manager=manager,
+        apply_chat_template=applied,
+        fewshot_as_multiturn=applied,
+        log_samples=False,
+    )
+    return {name: _summary(results, name, applied) for name in cfg.tasks}
+
+
+def alignment_tax(policy: dict[str, dict], baseline: dict[str, dict]) -> dict[str, dict]:
+    """Per task both measured: `delta` (the policy's score minus the baseline's, negative when
+    the policy lost ground on a higher-is-better metric) and its `stderr`, sqrt(se_p² + se_b²)
+    (the two are independent measurements; None when either has no stderr)."""
+    tax = {}
+    for task in policy.keys() & baseline.keys():
+        ours, theirs = policy[task], baseline[task]
+        errors = (ours["stderr"], theirs["stderr"])
+        tax[task] = {
+            "metric": ours["metric"],
+            "delta": ours["score"] - theirs["score"],
+            "stderr": None if None in errors else math.hypot(*errors),
+            "higher_is_better": ours["higher_is_better"],
+        }
+    return dict(sorted(tax.items()))
+
+
+def _harness() -> tuple[Any, Any, Any]:
+    """lm_eval, its HFLM and its tasks module, or the install line."""
+    try:
+        import lm_eval
+        import lm_eval.tasks
+        from lm_eval.models.huggingface import HFLM
+    except ImportError as exc:
+        raise EvalError(f"eval.benchmarks needs lm-evaluation-harness ({exc}): {INSTALL}") from None
+    return lm_eval, HFLM, lm_eval.tasks
+
+
+def _chat_applied(choice: str, chat: bool, tokenizer: Any) -> bool:
+    applied = {"on": True, "off": False}.get(choice, chat)
+    if applied and not tokenizer.chat_template:
+        raise EvalError(
+            "eval.benchmarks.chat_template applies the chat template but the policy's tokenizer "
+            "has none: set model.chat_template or eval.benchmarks.chat_template: off"
+        )
+    return applied
+
+
+def _task_manager(tasks: Any, cfg: BenchmarksSection) -> Any:
+    """The harness's task index: the include_path's tasks alone when they are all that is asked
+    for (indexing the harness's own thousands of tasks takes seconds), else both."""
+    if cfg.include_path:
+        local = tasks.TaskManager(include_path=cfg.include_path, include_defaults=False)
+        if set(cfg.tasks) <= set(local.all_tasks):
+            return local
+    manager = tasks.TaskManager(include_path=cfg.include_path)
+    unknown = sorted(set(cfg.tasks) - set(manager.all_tasks))
+    if unknown:
+        where = f" or in {cfg.include_path}" if cfg.include_path else ""
+        raise EvalError(
+            f"eval.benchmarks.tasks: no lm-eval task {', '.join(unknown)} in the harness{where}"
+        )
+    return manager
+
+
+def _task_spec(manager: Any, name: str, include_path: str | None) -> str | dict:
+    """A task of `include_path` as its config with its data files resolved against its YAML's
+    folder (the harness resolves them against the working directory), so a recipe runs from
+    anywhere; any other task by name."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    entry = manager.task_index.get(name)
+    path = getattr(entry, "yaml_path", None)
+    if not include_path or path is None or Path(include_path).resolve() not in path.parents:
+        return name
+    config = load_yaml(path)
+    kwargs = config.get("dataset_kwargs") or {}
+    if "data_files" not in kwargs or "task" not in config:
+        return name
+    config["dataset_kwargs"] = {**kwargs, "data_files": _next_to(kwargs["data_files"], path.parent)}
+    return config
+
+
+def _next_to(files: Any, folder: Path) -> Any:
+    """`data_files` (a path, a list, or split -> either) with relative paths under `folder`;
+    absolute paths and URLs unchanged."""
+    if isinstance(files, dict):
+        return {split: _next_to(value, folder) for split, value in files.items()}
+    if isinstance(files, list):
+        return [_next_to(value, folder) for value in files]
+    return files if "://" in files else str(folder / files)
+
+
+def _summary(results: dict, name: str, applied: bool) -> dict:
+    """The task's main metric: the first `metric,filter` key the harness reports for it."""
+    row = results["results"][name]
+    key = next(k for k in row if "," in k and "_stderr," not in k)
+    metric, _, filter_name = key.partition(",")
+    stderr = row.get(f"{metric}_stderr,{filter_name}")
+    return {
+        "metric": key,
+        "score": float(row[key]),
+        "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
+        "higher_is_better": bool(results["higher_is_better"].get(name, {}).get(metric, True)),
+        "chat_template": applied,
+        "n": int(row["sample_len"]),
+    }
