@@ -20,6 +20,7 @@ answer.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -27,6 +28,7 @@ import math
 import os
 import re
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -352,8 +354,8 @@ class _Worker:
         if self.ask(["warm"], WORKER_START_S) is self.NONE:
             self.kill()
             raise EvalError(
-                f"the checks' worker process gave no sign of life within {WORKER_START_S:g} s "
-                "(its errors, if any, are above)"
+                f"the checks' worker process did not start (waited up to {WORKER_START_S:g} s; "
+                "its errors, if any, are above)"
             )
 
     def ask(self, job: list, timeout_s: float) -> Any:
@@ -378,16 +380,18 @@ class _Worker:
         self.selector.close()
         self.process.kill()
         self.process.wait(timeout=30)
-        self.process.stdin.close()
+        with contextlib.suppress(BrokenPipeError):  # a job left unsent to a worker that died
+            self.process.stdin.close()
         self.process.stdout.close()
 
 
 def serve() -> None:
-    """The worker's loop. Its results go to a copy of stdout, and `print` to stderr, so that
-    nothing a library prints can break the protocol."""
+    """The worker's loop. Its results go to a copy of stdout, and stdout itself to stderr, so
+    that nothing a library prints can break the protocol."""
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeouts are off": on purpose
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's: it kills this worker
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    sys.stdout = sys.stderr
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     jobs = {"warm": _warm, "verdict": _verdict, "gold": _gold_parses}
     for line in sys.stdin:
         name, *args = json.loads(line)
@@ -409,11 +413,16 @@ def _verdict(grader: str, solution: str, answer: str) -> str:
 
 
 def _parse_gold(gold: str) -> list:
-    """A gold as written (`19`, `$\\frac{1}{2}$`), else as a boxed expression (`x^2`)."""
+    """A gold as written (`19`, `$\\frac{1}{2}$`), else as a boxed expression (`x^2`); the
+    expressions math-verify read, without its fallback of the raw text (a gold it cannot read
+    would then match only itself, letter for letter)."""
     from math_verify import LatexExtractionConfig, parse
 
-    return parse(gold, parsing_timeout=None) or parse(
-        f"{BOXED}{gold}}}", [LatexExtractionConfig()], parsing_timeout=None
+    return parse(gold, fallback_mode="no_fallback", parsing_timeout=None) or parse(
+        f"{BOXED}{gold}}}",
+        [LatexExtractionConfig()],
+        fallback_mode="no_fallback",
+        parsing_timeout=None,
     )
 
 
