@@ -229,17 +229,21 @@ def extract_answer(text: str) -> str | None:
 def grade(cfg: ChecksSection, rows: list[dict[str, Any]], answers: list[str]) -> dict[str, Any]:
     """`answers[i]` (to `rows[i]`) graded: `accuracy` and its binomial `se`, the counts
     `no_answer` and `timeouts`, each instruction's pass rate, and per row `correct`, `reason`
-    (None when correct; else `wrong`, `no_answer`, `timeout` or `instructions`), the answer
-    extracted (math) and each instruction's pass. Safe to call from any thread."""
+    (None when correct; else `wrong`, `no_answer`, `timeout`: no verdict within `timeout_s`, or
+    `instructions`), the answer extracted (math) and each instruction's pass. Safe to call from
+    any thread."""
     if len(answers) != len(rows):
         raise ValueError(f"{len(answers)} answers to {len(rows)} rows")
-    if cfg.grader == "math" and any(row["solution"] is not None for row in rows):
+    is_math = cfg.grader == "math"
+    if is_math and any(row["solution"] is not None for row in rows):
         _require_math_verify()
-    extracted = [extract_answer(a) if cfg.grader == "math" else a for a in answers]
-    verdicts = _verdicts(cfg, rows, extracted)
+    extracted = [
+        extract_answer(answer) if is_math and row["solution"] is not None else None
+        for row, answer in zip(rows, answers, strict=True)
+    ]
+    verdicts = _verdicts(cfg, rows, extracted if is_math else answers)
     results = [
-        _row_result(row, answer, verdict, candidate if cfg.grader == "math" else None)
-        for row, answer, verdict, candidate in zip(rows, answers, verdicts, extracted, strict=True)
+        _row_result(*result) for result in zip(rows, answers, verdicts, extracted, strict=True)
     ]
     return _summary(results, cfg.grader)
 
