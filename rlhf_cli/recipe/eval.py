@@ -93,7 +93,10 @@ class ChecksSection(Section):
         "the answer matches).",
     )
     timeout_s: float = described(
-        5.0, "Longest parse-and-verify of one answer (math); past it the answer is wrong.", gt=0.0
+        5.0,
+        "Longest parse-and-verify of one answer (math), or regex match (regex); past it the "
+        "answer is wrong (`timeout`).",
+        gt=0.0,
     )
     max_rows: int | None = described(None, "Check at most this many rows.", gt=0)
 
