@@ -6,7 +6,8 @@ benchmarks, so the CLI stays light. The policy comes in already loaded (a LoRA p
 the stage), and its prompts are rendered as training rendered them: through the chat template
 with the generation prompt and no added special tokens (`prompt_format: chat`), or as plain text
 with the tokenizer's own; what was applied is named per task in the result, since the same
-model scores very differently either way (lm-eval #1841, #2316).
+model scores very differently either way (lm-eval #1841, #2316). The harness seeds Python's,
+NumPy's and torch's global generators (its defaults, so its scores reproduce).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def run_benchmarks(
     )
     results = lm_eval.simple_evaluate(
         model=lm,
-        tasks=[_task_spec(manager, name, cfg.include_path) for name in cfg.tasks],
+        tasks=list(cfg.tasks),
         num_fewshot=cfg.num_fewshot,
         limit=cfg.limit,
         task_manager=manager,
@@ -91,36 +92,48 @@ def _chat_applied(choice: str, chat: bool, tokenizer: Any) -> bool:
 def _task_manager(tasks: Any, cfg: BenchmarksSection) -> Any:
     """The harness's task index: the include_path's tasks alone when they are all that is asked
     for (indexing the harness's own thousands of tasks takes seconds), else both."""
-    if cfg.include_path:
-        local = tasks.TaskManager(include_path=cfg.include_path, include_defaults=False)
-        if set(cfg.tasks) <= set(local.all_tasks):
-            return local
-    manager = tasks.TaskManager(include_path=cfg.include_path)
+    local = cfg.include_path and tasks.TaskManager(
+        include_path=cfg.include_path, include_defaults=False
+    )
+    manager = (
+        local
+        if local and set(cfg.tasks) <= set(local.all_tasks)
+        else tasks.TaskManager(include_path=cfg.include_path)
+    )
     unknown = sorted(set(cfg.tasks) - set(manager.all_tasks))
     if unknown:
         where = f" or in {cfg.include_path}" if cfg.include_path else ""
         raise EvalError(
             f"eval.benchmarks.tasks: no lm-eval task {', '.join(unknown)} in the harness{where}"
         )
+    tags = [name for name in cfg.tasks if name in manager.all_tags]
+    if tags:
+        raise EvalError(
+            f"eval.benchmarks.tasks: {', '.join(tags)} is an lm-eval tag, tasks with no score "
+            "together: list its tasks, or a group with aggregate_metric_list"
+        )
+    if cfg.include_path:
+        _read_data_next_to_yaml(manager, cfg.include_path)
     return manager
 
 
-def _task_spec(manager: Any, name: str, include_path: str | None) -> str | dict:
-    """A task of `include_path` as its config with its data files resolved against its YAML's
-    folder (the harness resolves them against the working directory), so a recipe runs from
-    anywhere; any other task by name."""
+def _read_data_next_to_yaml(manager: Any, include_path: str) -> None:
+    """The harness resolves a task's relative `data_files` against the working directory; each
+    task of `include_path` that has some gets them resolved against its YAML's folder instead,
+    its index entry becoming that config, so the task (and any group or tag holding it) runs
+    by name from anywhere."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    entry = manager.task_index.get(name)
-    path = getattr(entry, "yaml_path", None)
-    if not include_path or path is None or Path(include_path).resolve() not in path.parents:
-        return name
-    config = load_yaml(path)
-    kwargs = config.get("dataset_kwargs") or {}
-    if "data_files" not in kwargs or "task" not in config:
-        return name
-    config["dataset_kwargs"] = {**kwargs, "data_files": _next_to(kwargs["data_files"], path.parent)}
-    return config
+    for entry in manager.task_index.values():
+        path = entry.yaml_path
+        if entry.kind.name != "TASK" or path is None or not path.is_relative_to(include_path):
+            continue
+        config = load_yaml(path)
+        kwargs = config.get("dataset_kwargs") or {}
+        if "data_files" in kwargs:
+            files = _next_to(kwargs["data_files"], path.parent)
+            config["dataset_kwargs"] = {**kwargs, "data_files": files}
+            entry.cfg, entry.yaml_path = config, None
 
 
 def _next_to(files: Any, folder: Path) -> Any:
@@ -136,7 +149,12 @@ def _next_to(files: Any, folder: Path) -> Any:
 def _summary(results: dict, name: str, applied: bool) -> dict:
     """The task's main metric: the first `metric,filter` key the harness reports for it."""
     row = results["results"][name]
-    key = next(k for k in row if "," in k and "_stderr," not in k)
+    key = next((k for k in row if "," in k and "_stderr," not in k), None)
+    if key is None:
+        raise EvalError(
+            f"eval.benchmarks.tasks: {name} reports no score of its own (an lm-eval group "
+            "without aggregate_metric_list): list its tasks instead"
+        )
     metric, _, filter_name = key.partition(",")
     stderr = row.get(f"{metric}_stderr,{filter_name}")
     return {
@@ -145,5 +163,5 @@ def _summary(results: dict, name: str, applied: bool) -> dict:
         "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
         "higher_is_better": bool(results["higher_is_better"].get(name, {}).get(metric, True)),
         "chat_template": applied,
-        "n": int(row["sample_len"]),
+        "n": int(row.get("sample_len", 0)),
     }

@@ -52,16 +52,13 @@ def prompt_ids(tokenizer: Any, text: str, chat: bool) -> list[int]:
 
 @torch.no_grad()
 def greedy_answers(model: Any, tokenizer: Any, docs: list[dict], chat: bool) -> list[str]:
-    """tiny_arith's answers, one prompt at a time: 12 new tokens at most, cut at the first
-    newline (its `generation_kwargs`)."""
-    answers = []
-    for doc in docs:
-        ids = prompt_ids(tokenizer, f"Question: {doc['question']}\nAnswer:", chat)
-        out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-        answers.append(
-            tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True).split("\n")[0]
-        )
-    return answers
+    """tiny_arith's answers, all prompts in one left-padded batch: 12 new tokens at most, cut at
+    the first newline (its `generation_kwargs`)."""
+    prompts = [prompt_ids(tokenizer, f"Question: {d['question']}\nAnswer:", chat) for d in docs]
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")  # the left, as generation
+    out = model.generate(**batch, max_new_tokens=12, do_sample=False)
+    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    return [text.split("\n")[0] for text in texts]
 
 
 @torch.no_grad()
@@ -173,6 +170,31 @@ def test_the_recipe_setting_overrides_what_training_did(policy, chdir_tmp) -> No
     on = cfg.model_copy(update={"chat_template": "on"})
     with pytest.raises(EvalError, match="tokenizer has none: set model.chat_template"):
         run_benchmarks(on, model, bare, chat=False)
+
+
+def test_a_group_of_local_tasks_runs_from_anywhere(policy, hand, chdir_tmp) -> None:
+    suite = chdir_tmp / "suite"  # the working directory holds no tiny_polite.jsonl
+    suite.mkdir()
+    shutil.copy(TASKS / "tiny_polite.jsonl", suite)
+    task = (TASKS / "tiny_polite.yaml").read_text(encoding="utf-8")
+    (suite / "tiny_polite.yaml").write_text(task + "tag: polite_tag\n", encoding="utf-8")
+    groups = {
+        "polite_suite": {"aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}]},
+        "bare_suite": {},
+    }
+    for group, extra in groups.items():
+        config = {"group": group, "task": ["tiny_polite"], **extra}
+        (suite / f"{group}.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+
+    cfg = BenchmarksSection(tasks=["polite_suite"], include_path=str(suite), limit=4)
+    scores = run_benchmarks(cfg, *policy, chat=True)["polite_suite"]
+    labels = [doc["label"] for doc in read_jsonl(TASKS / "tiny_polite.jsonl")[:4]]
+    right = sum(p == label for p, label in zip(hand[True]["picks"][:4], labels, strict=True))
+    assert (scores["metric"], scores["score"], scores["n"]) == ("acc,none", right / 4, 4)
+    with pytest.raises(EvalError, match="bare_suite reports no score of its own"):
+        run_benchmarks(cfg.model_copy(update={"tasks": ["bare_suite"]}), *policy, chat=True)
+    with pytest.raises(EvalError, match="polite_tag is an lm-eval tag"):
+        run_benchmarks(cfg.model_copy(update={"tasks": ["polite_tag"]}), *policy, chat=True)
 
 
 def test_an_unknown_task_is_one_line_naming_it(policy, tmp_path) -> None:
