@@ -118,6 +118,22 @@ metadata:
 """
 
 
+README = """\
+# Offline lm-evaluation-harness tasks
+
+Two small tasks for `rlhf eval`'s benchmarks (`eval.benchmarks.include_path` names this folder),
+written for this project from templates (no third-party text). License: CC0 1.0.
+
+| task | type | docs | scored |
+|---|---|---|---|
+| `tiny_arith` | generate_until | {n_arith} | "What is a + b?": the last number is the sum |
+| `tiny_polite` | multiple_choice | {n_polite} | the polite one of two like replies |
+
+Each YAML names its JSONL relatively; `rlhf eval` reads it next to the YAML, from any working
+directory. Regenerate (deterministic, stdlib only): `python scripts/make_eval_tasks.py`
+"""
+
+
 def arith_docs(rng: random.Random) -> list[dict]:
     pairs = [(rng.randint(0, MAX_TERM), rng.randint(0, MAX_TERM)) for _ in range(N_ARITH)]
     return [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
@@ -147,6 +163,8 @@ def main() -> None:
     write_jsonl(OUT_DIR / "tiny_polite.jsonl", polite)
     (OUT_DIR / "tiny_arith.yaml").write_text(ARITH_YAML, encoding="utf-8")
     (OUT_DIR / "tiny_polite.yaml").write_text(POLITE_YAML, encoding="utf-8")
+    readme = README.format(n_arith=len(arith), n_polite=len(polite))
+    (OUT_DIR / "README.md").write_text(readme, encoding="utf-8")
     print(f"wrote {OUT_DIR}: tiny_arith={len(arith)} tiny_polite={len(polite)}")
 
 
