@@ -32,9 +32,9 @@ from rlhf_cli.generation.server_http import (
     Batch,
     Malformed,
     ServerReply,
-    _pause,
     call,
     models_in,
+    pause,
     reason,
 )
 from rlhf_cli.recipe.eval import EvalJudgeSection
@@ -175,7 +175,7 @@ def deadline_s(cfg: EvalJudgeSection, requests: int) -> float:
     """How long a batch of `requests` may take in all: a wave of `concurrency` answered within
     `timeout_s` each, and one request's retries (their timeouts and the pauses between)."""
     waves = math.ceil(requests / cfg.concurrency)
-    return (waves + cfg.retries) * cfg.timeout_s + sum(map(_pause, range(cfg.retries)))
+    return (waves + cfg.retries) * cfg.timeout_s + sum(map(pause, range(cfg.retries)))
 
 
 def _ask_all(cfg: EvalJudgeSection, key: str | None, bodies: list[dict]) -> list[str | None]:
@@ -224,7 +224,7 @@ def _ask(cfg: EvalJudgeSection, key: str | None, body: dict, batch: Batch) -> st
         except (OSError, ValueError) as exc:  # refused, reset, timed out, cut, malformed
             error = exc
         if attempt < cfg.retries:
-            batch.over.wait(_pause(attempt))
+            batch.over.wait(pause(attempt))
     raise EvalError(
         _blank(
             f"eval.judge: the judge at {cfg.url} failed {CHAT} {cfg.retries + 1} time(s) "

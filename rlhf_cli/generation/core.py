@@ -1,5 +1,5 @@
 """The generation interface every backend implements (`Generator`, returning `Generations`),
-and what every backend and caller shares: prompt tokenisation, padding, stop tokens, response
+and what every backend and caller shares: padding, stop tokens, response
 masks, decoding, and the log-probs of what was sampled.
 
 The facts that make sampled tokens and their log-probs agree live here too, so that every

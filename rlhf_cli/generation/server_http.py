@@ -37,13 +37,20 @@ class Malformed(ValueError):
     """A server answered, but not as the route answers: retried like a failed request."""
 
 
-def call(url: str, path: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
-    """One HTTP call: POST `body` as JSON (GET without one); the JSON answer, its text when it
-    is not JSON (vLLM's adapter routes answer in words), or None. An answer cut short (the
-    server died mid-answer) is a `ConnectionError`, as a dropped connection is."""
+def call(
+    url: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    timeout: float = 60.0,
+    headers: dict[str, str] | None = None,
+) -> Any:
+    """One HTTP call: POST `body` as JSON (GET without one), with `headers` besides (an
+    endpoint's `Authorization`); the JSON answer, its text when it is not JSON (vLLM's adapter
+    routes answer in words), or None. An answer cut short (the server died mid-answer) is a
+    `ConnectionError`, as a dropped connection is."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
-        url + path, data=data, headers={"Content-Type": "application/json"}
+        url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:
@@ -114,7 +121,7 @@ def field_of(key: str, kind: type | tuple[type, ...]) -> Any:
     return parse
 
 
-def _pause(attempt: int) -> float:
+def pause(attempt: int) -> float:
     """Seconds between try `attempt` (from 0) and the next."""
     return min(2.0**attempt, 10.0)
 
@@ -123,7 +130,7 @@ def batch_deadline_s(server: ServerSection) -> float:
     """How long a batch's answers may take in all: one request's longest path (every try
     timing out, with the pauses between). The rows go out together (up to MAX_IN_FLIGHT per
     server, which vLLM batches), so a server slower than that on one batch is taken as lost."""
-    return (server.retries + 1) * server.timeout_s + sum(map(_pause, range(server.retries)))
+    return (server.retries + 1) * server.timeout_s + sum(map(pause, range(server.retries)))
 
 
 class Batch:
@@ -199,7 +206,7 @@ def retrying(
         except (OSError, ValueError) as exc:  # refused, reset, timed out, cut, malformed
             error = exc
         if attempt + 1 < tries:
-            time.sleep(_pause(attempt))
+            time.sleep(pause(attempt))
     raise GenerationServerLost(
         f"the rollout server at {url} failed {path} {tries} time(s) ({reason(error)})"
     )

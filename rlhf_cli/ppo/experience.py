@@ -63,6 +63,6 @@ class Drafts:
     def drop(self) -> None:
         """Forget every draft (a stop, a failure): their answers are never trained on."""
         for draft in self.pending.values():
-            if draft.answers.cancel():
-                draft.release()
+            draft.answers.cancel()
+            draft.release()  # not started: unpinned; being answered: abandoned at once
         self.pending.clear()

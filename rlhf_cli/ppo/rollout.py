@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from torch import Tensor
 
 from rlhf_cli.generation import (
     Generations,
+    PolicyVersion,
     response_logits,
     response_logprobs,
     row_seed,
@@ -116,24 +118,26 @@ def answered_draft(
     draft = drafts.pending.pop(iteration, None)
     synced = draft is None
     if draft is None:
-        generator.sync(policy)  # a separate engine gets the latest weights
-        draft = ask_rollout(run, iteration)
+        published = generator.sync(policy)  # a separate engine gets the latest weights
+        draft = ask_rollout(run, iteration, published)
     answers, generating = draft.answers.result()
     waited = time.perf_counter() - start
     if cfg.generation.async_steps:
         if not synced:
-            generator.sync(policy)
+            published = generator.sync(policy)
         last = min(iteration + cfg.generation.async_steps, cfg.iterations)
         for later in range(iteration + 1, last + 1):
             if later not in drafts.pending:
-                drafts.pending[later] = ask_rollout(run, later, version=iteration - 1)
+                drafts.pending[later] = ask_rollout(run, later, published, iteration - 1)
     return draft, answers, waited, generating
 
 
-def ask_rollout(run: PPORun, iteration: int, version: int | None = None) -> Draft:
+def ask_rollout(
+    run: PPORun, iteration: int, published: PolicyVersion, version: int | None = None
+) -> Draft:
     """Ask the rollout engine for iteration `iteration`'s answers: this process's prompts drawn
-    now, each row from its seed; answered in the drafts' thread by the weights the engine holds
-    now (`version`: the PPO updates they have seen, iteration - 1 when they are the latest)."""
+    now, each row from its seed; answered (in the drafts' thread) by the policy `published`
+    names (`version`: the PPO updates it has seen, iteration - 1 when it is the latest)."""
     cfg, acc, generator = run.recipe.ppo, run.accelerator, run.models.generator
     index = prompt_rows(
         acc, len(run.prompts), cfg.batch_size, cfg.num_generations, run.state.sampler
@@ -149,9 +153,9 @@ def ask_rollout(run: PPORun, iteration: int, version: int | None = None) -> Draf
 
     if not cfg.generation.async_steps:  # answered here and now, in this thread's precision
         answers: Future[tuple[Generations, float]] = Future()
-        answers.set_result(timed(generator.generate))
+        answers.set_result(timed(partial(generator.generate, policy=published)))
         return Draft(index, version, answers, lambda: None)
-    pinned = generator.pinned()  # only the servers' client overlaps (the recipe checks)
+    pinned = generator.pinned(published)  # only the servers' client overlaps (the recipe checks)
     return Draft(index, version, run.drafts.pool.submit(timed, pinned), pinned.release)
 
 

@@ -42,12 +42,15 @@ class ServerSection(Section):
     )
     timeout_s: float = described(
         300.0,
-        "Longest wait for one answer (or one sync step) from a server before it is retried.",
+        "Longest wait for one answer (or one sync step, an NCCL broadcast included) from a "
+        "server before it is retried; a batch's answers all arrive within (retries + 1) × "
+        "timeout_s and the pauses between tries, or the server is lost.",
         gt=0.0,
     )
     retries: int = described(
         2,
-        "Tries after the first for a request that fails or times out; then the run "
+        "Tries after the first for a request that fails, times out or answers malformed (cut "
+        "short, not JSON); then the run "
         "checkpoints and exits 2 with the `--resume` line.",
         ge=0,
     )

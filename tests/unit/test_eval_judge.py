@@ -8,20 +8,16 @@ or message."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import socket
-import threading
 import time
-import urllib.request
 
 import pytest
 import torch
 from fake_judge import FakeJudge
 
 from rlhf_cli.errors import EvalError
-from rlhf_cli.evals import judge as judge_module
 from rlhf_cli.evals.judge import (
     RIDGE,
     check_judge,
@@ -31,33 +27,10 @@ from rlhf_cli.evals.judge import (
     verdict,
     win_rates,
 )
-from rlhf_cli.generation import server_http
 from rlhf_cli.recipe.eval import EvalJudgeSection
 
 KEY_ENV = "RLHF_TEST_JUDGE_KEY"
 SECRET = "sk-test-0123456789abcdef"
-
-
-@pytest.fixture(autouse=True)
-def _call_takes_headers(monkeypatch):
-    """Until `generation/server_http.py`'s `call` takes `headers` (an edit of its owner's), send
-    them through a stand-in that adds them to the request `call` opens; a no-op once it does."""
-    if "headers" in inspect.signature(server_http.call).parameters:
-        return
-    local = threading.local()
-    urlopen = urllib.request.urlopen
-
-    def call(url, path, body=None, timeout=60.0, headers=None):
-        local.headers = headers or {}
-        return server_http.call(url, path, body, timeout)
-
-    def opened(request, timeout):
-        for name, value in getattr(local, "headers", {}).items():
-            request.add_header(name, value)
-        return urlopen(request, timeout=timeout)
-
-    monkeypatch.setattr(judge_module, "call", call)
-    monkeypatch.setattr(urllib.request, "urlopen", opened)
 
 
 def _cfg(url: str, **fields) -> EvalJudgeSection:
