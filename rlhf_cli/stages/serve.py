@@ -231,9 +231,15 @@ def serve_info(recipe: Recipe, settings: ServeSettings) -> dict[str, object]:
     """Everything `rlhf serve` starts, resolved (`--print-command` shows it without starting)."""
     import torch
 
+    gpu = torch.cuda.is_available()
+    parallel, gpus = recipe.ppo.generation.vllm.tensor_parallel_size, torch.cuda.device_count()
+    if gpu and parallel > gpus:  # vLLM would find it only once the engine starts
+        raise ModelLoadError(
+            f"ppo.generation.vllm.tensor_parallel_size: {parallel} GPUs asked for, this machine "
+            f"has {gpus}: lower it or start the server where {parallel} GPUs are visible"
+        )
     run = RunDir.for_recipe(recipe)
     model, tokenizer = serving_base(recipe, run)
-    gpu = torch.cuda.is_available()
     command, env = serve_command(recipe, model, tokenizer, settings, gpu)
     url = url_of(settings)
     info: dict[str, object] = {

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_cli.errors import ModelLoadError
 from rlhf_cli.recipe import load_recipe
-from rlhf_cli.stages.serve import ServeSettings, serve_command
+from rlhf_cli.stages.serve import ServeSettings, serve_command, serve_info
 
 NCCL = ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
 
@@ -130,3 +131,17 @@ def test_stopping_serve_ends_every_process_it_started(tmp_path, monkeypatch, ser
     finally:
         if child is not None and _runs(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_tensor_parallel_size_above_the_gpus_is_refused_before_anything_starts(
+    make_recipe, monkeypatch
+):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    recipe = load_recipe(
+        make_recipe({"ppo": {"generation": {"vllm": {"tensor_parallel_size": 2}}}})
+    )
+    with pytest.raises(ModelLoadError, match=r"tensor_parallel_size: 2 GPUs asked for, .* has 1"):
+        serve_info(recipe, ServeSettings(port=8123))
