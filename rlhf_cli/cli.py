@@ -156,7 +156,7 @@ def _internal_error(exc: Exception, err: Console, name: str, args: dict[str, Any
     """A bug: its traceback to a log file, in the folder of the stage that was open (its
     `StageRecord` names it), else of the run the command's arguments name, else the temp
     folder; one line on stderr naming the error and the log; exit 70."""
-    command = name.replace("_", "-")
+    command = name.strip("_").replace("_", "-")  # `eval_` is `rlhf eval`
     log = write_crash_log(exc, getattr(exc, "log_dir", None) or _run_folder(args), command)
     if log is None:  # nowhere to write it: the traceback is all there is to go on
         traceback.print_exception(exc)
@@ -612,6 +612,51 @@ def compare(
         typer.echo(json.dumps(rows, indent=2))
         return
     views.comparison(rows, Console(highlight=False))  # the result: stdout, as report's
+
+
+@app.command("eval", cls=_Command)
+@_exit_on_errors
+def eval_(
+    labels: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Policies to measure: base, sft, ppo, merged, a PPO checkpoint (best, last, "
+            "iter_N) or a model folder. Default: eval.policies.",
+            metavar="LABEL",
+            show_default=False,
+        ),
+    ] = None,
+    baseline: Annotated[
+        str | None,
+        typer.Option("--baseline", help="What each is compared with. Default: eval.baseline."),
+    ] = None,
+    recipe: RecipeOpt = None,
+    sets: SetOpt = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
+    """Measure policies by yardsticks outside the reward model (a judge head to head, checks,
+    benchmarks) against a baseline; exit 4 when one misses a threshold of eval.gate."""
+    from rlhf_cli.errors import EvalGateFailed
+    from rlhf_cli.stages.eval import run_eval
+
+    quiet_libraries()
+    resolved = resolve_recipe(recipe, runs_dir, sets)
+    try:
+        with _library_output(as_json, quiet):
+            result = run_eval(resolved, make_console(quiet, as_json), labels, baseline)
+    except EvalGateFailed as exc:  # the results were written: shown before the gate's line
+        _show_eval(exc.result, as_json, quiet)  # type: ignore[attr-defined]
+        raise
+    _show_eval(result, as_json, quiet)
+
+
+def _show_eval(result: dict[str, Any], as_json: bool, quiet: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    elif not quiet:
+        views.eval_results(result, Console(highlight=False))
 
 
 def main() -> None:

@@ -173,6 +173,77 @@ def comparison(rows: list[dict[str, Any]], out: Console) -> None:
     out.print(table)
 
 
+def eval_results(result: dict[str, Any], out: Console) -> None:
+    """`rlhf eval`: per policy and suite, its measures against the baseline; the gate's verdict
+    when it passed (a missed gate is the error line that follows)."""
+    table = Table(
+        "policy", "suite", "measure", "value",
+        title=f"rlhf eval · run '{result['run']}' · baseline {result['baseline']}",
+        title_justify="left",
+    )  # fmt: skip
+    for label, suites in result["results"].items():
+        for suite, summary in suites.items():
+            for measure, value in eval_measures(suite, summary):
+                table.add_row(label, suite, measure, value)
+    out.print(table)
+    if result["gate"]["passed"]:
+        out.print("gate: passed")
+    out.print(f"results: {result['dir']}", highlight=False)
+
+
+def _pm(value: float, se: float | None, sign: str = "") -> str:
+    """`value ± se` (the standard error left out where there is none)."""
+    return f"{value:{sign}.3f}" + ("" if se is None else f" ± {se:.3f}")
+
+
+def eval_measures(suite: str, summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """A suite's summary as (measure, value) texts: the judge's win rate [95% CI] and
+    length-controlled win rate, the checks' accuracy ± se, each task's score ± se and its
+    alignment tax ± se."""
+    s = summary
+    if suite == "judge":
+        unreadable = f", {s['unreadable']} unreadable" if s.get("unreadable") else ""
+        return [
+            ("win rate [95% CI]", f"{s['win_rate']:.3f} [{s['ci_low']:.3f}, {s['ci_high']:.3f}]"),
+            (f"LC win rate (length in {s.get('length_unit', 'words')})", f"{s['lc_win_rate']:.3f}"),
+            ("wins / ties / losses", f"{s['wins']} / {s['ties']} / {s['losses']}{unreadable}"),
+        ]
+    if suite == "checks":
+        rows = [("accuracy ± se", f"{_pm(s['accuracy'], s['se'])} ({s['correct']}/{s['n']})")]
+        if "delta" in s:
+            rows.append(("baseline accuracy ± se", _pm(s["baseline_accuracy"], s["baseline_se"])))
+        if s.get("no_answer") or s.get("timeouts"):
+            rows.append(("no answer / timeouts", f"{s['no_answer']} / {s['timeouts']}"))
+        return rows
+    rows = []
+    for task, t in s.items():
+        chat = "chat template" if t.get("chat_template") else "no chat template"
+        rows.append((f"{task}: {t['metric']} ({chat})", _pm(t["score"], t.get("stderr"))))
+        if "tax" in t:
+            rows.append((f"{task}: alignment tax", _pm(t["tax"], t.get("tax_stderr"), "+")))
+    return rows
+
+
+def eval_line(suites: dict[str, Any]) -> str:
+    """A policy's last eval results in one line, for `rlhf status`."""
+    parts = []
+    for suite, summary in suites.items():
+        if suite == "judge":
+            parts.append(
+                f"judge {summary['win_rate']:.3f} [{summary['ci_low']:.3f}, "
+                f"{summary['ci_high']:.3f}] (LC {summary['lc_win_rate']:.3f})"
+            )
+        elif suite == "checks":
+            parts.append(f"checks {_pm(summary['accuracy'], summary['se'])}")
+        else:
+            parts += [
+                f"{task} {t['score']:.3f}"
+                + (f" (tax {_pm(t['tax'], t.get('tax_stderr'), '+')})" if "tax" in t else "")
+                for task, t in summary.items()
+            ]
+    return "; ".join(parts)
+
+
 def serve_ready(info: dict[str, Any], *, started: bool, as_json: bool, console: Console) -> None:
     """`rlhf serve`: the server's command (`--print-command`), or, once it answers, its URL
     and the `--set` line for `rlhf ppo` on stdout, flushed at once (a script waits for it)."""
