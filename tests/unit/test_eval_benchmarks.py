@@ -55,7 +55,7 @@ def greedy_answers(model: Any, tokenizer: Any, docs: list[dict], chat: bool) -> 
     """tiny_arith's answers, all prompts in one left-padded batch: 12 new tokens at most, cut at
     the first newline (its `generation_kwargs`)."""
     prompts = [prompt_ids(tokenizer, f"Question: {d['question']}\nAnswer:", chat) for d in docs]
-    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")  # the left, as generation
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")  # padded on the left
     out = model.generate(**batch, max_new_tokens=12, do_sample=False)
     texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     return [text.split("\n")[0] for text in texts]
