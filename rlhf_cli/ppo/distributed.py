@@ -141,10 +141,21 @@ def main_decides(acc: Any, decide: Callable[[], T]) -> T:
     """`decide()` on the main process, its answer on every process (a broadcast every process
     must reach at the same point): a decision taken from what the main process alone holds (its
     audit report, the evaluations it logged, `run.best`, the checkpoints it wrote) is acted on
-    alike everywhere. The others never call `decide`."""
+    alike everywhere. The others never call `decide`. Should `decide` raise, the main process
+    still reaches the broadcast, so the others raise too instead of waiting in it."""
     if acc.num_processes == 1:
         return decide()
-    return broadcast_object_list([decide() if acc.is_main_process else None])[0]
+    answer: list[Any] = [None, None]  # the decision, or the main process's failure
+    if acc.is_main_process:
+        try:
+            answer = [decide(), None]
+        except BaseException as exc:
+            broadcast_object_list([None, f"{type(exc).__name__}: {exc}"])
+            raise
+    decision, failure = broadcast_object_list(answer)
+    if failure is not None:
+        raise RuntimeError(f"the main process failed while deciding for all: {failure}")
+    return decision
 
 
 def answered_everywhere(acc: Any, generate: Callable[[], T]) -> T:
