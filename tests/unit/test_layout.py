@@ -144,7 +144,7 @@ def test_one_generation_module_serves_every_caller():
     for caller in (
         "rlhf_cli.ppo.rollout",
         "rlhf_cli.audit.measure",
-        "rlhf_cli.stages.merge",
+        "rlhf_cli.stages.trained",  # the merge's logit check, for rlhf merge and rlhf eval
         "rlhf_cli.stages.compare",
     ):
         assert "rlhf_cli.generation" in graph[caller], caller
