@@ -541,11 +541,12 @@ def report(
     as_json: JsonOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:
-    """Plot a run's PPO curves to ppo/report.png and ppo/report.html."""
+    """Plot a run's PPO curves to ppo/report.png and ppo/report.html (with rlhf eval's results)."""
     from rlhf_cli.stages.report import run_report
 
     paths = run_report(RunDir.named_or_latest(runs_dir, run))
-    typer.echo(json.dumps(paths) if as_json else f"wrote {paths['png']} and {paths['html']}")
+    *drawn, page = [paths[k] for k in ("png", "eval_png", "html") if k in paths]
+    typer.echo(json.dumps(paths) if as_json else f"wrote {', '.join(drawn)} and {page}")
 
 
 @app.command(cls=_Command)
@@ -602,16 +603,23 @@ def compare(
     as_json: JsonOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:
-    """The guide's quick inference test: SFT vs PPO answers with their reward scores."""
+    """The guide's quick inference test: SFT vs PPO answers with their reward scores, and the
+    last rlhf eval results of each policy beside them."""
     from rlhf_cli.stages.compare import run_compare
+    from rlhf_cli.stages.status import eval_results
 
     quiet_libraries()
+    resolved = resolve_recipe(recipe, runs_dir, sets)
     with _library_output(as_json):
-        rows = run_compare(resolve_recipe(recipe, runs_dir, sets), prompt)
+        rows = run_compare(resolved, prompt)
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    views.comparison(rows, Console(highlight=False))  # the result: stdout, as report's
+    out = Console(highlight=False)  # the result: stdout, as report's
+    views.comparison(rows, out)
+    evaluated = eval_results(RunDir.for_recipe(resolved))
+    if evaluated is not None:
+        views.eval_columns(evaluated, out)
 
 
 @app.command("eval", cls=_Command)

@@ -129,7 +129,8 @@ def _parts_table(parts: dict[str, int]) -> Table:
 
 
 def run_status(result: dict[str, Any], out: Console) -> None:
-    """`rlhf status RUN`: each stage's status, when, memory, key numbers and data; what next."""
+    """`rlhf status RUN`: each stage's status, when, memory, key numbers and data; the last
+    eval results, a line per policy; what next."""
     table = Table(
         "stage", "status", "finished", "peak memory", "key numbers",
         title=f"run '{result['run']}'",
@@ -147,6 +148,10 @@ def run_status(result: dict[str, Any], out: Console) -> None:
         finished = row.get("finished_at") or ""
         table.add_row(row["stage"], shown, finished, memory_cell(metrics), numbers)
     out.print(table)
+    if "eval" in result:
+        out.print(f"last rlhf eval (baseline {result['eval']['baseline']}):")
+        for label, suites in result["eval"]["policies"].items():
+            out.print(f"  {label}: {eval_line(suites)}", highlight=False)
     out.print(f"next: {result['next']}" if result["next"] else "next: nothing to run now")
 
 
@@ -224,6 +229,35 @@ def eval_measures(suite: str, summary: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def eval_columns(evaluated: dict[str, Any], out: Console) -> None:
+    """`rlhf compare`: each policy's last `rlhf eval` results in columns (`status.eval_results`):
+    judge win rate [95% CI], LC win rate, checks accuracy ± se, each task's score (and tax)."""
+    policies = evaluated["policies"]
+    tasks = sorted({t for suites in policies.values() for t in suites.get("benchmarks", {})})
+    table = Table(
+        "policy", "judge win rate [95% CI]", "LC win rate", "checks accuracy ± se", *tasks,
+        title=f"last rlhf eval (baseline {evaluated['baseline']})", title_justify="left",
+    )  # fmt: skip
+    for label, suites in policies.items():
+        judge, checks = suites.get("judge"), suites.get("checks")
+        benchmarks = suites.get("benchmarks", {})
+        table.add_row(
+            label,
+            f"{judge['win_rate']:.3f} [{judge['ci_low']:.3f}, {judge['ci_high']:.3f}]"
+            if judge
+            else "—",
+            f"{judge['lc_win_rate']:.3f}" if judge else "—",
+            _pm(checks["accuracy"], checks["se"]) if checks else "—",
+            *(_task_cell(benchmarks[t]) if t in benchmarks else "—" for t in tasks),
+        )
+    out.print(table)
+
+
+def _task_cell(task: dict[str, Any]) -> str:
+    tax = f" (tax {_pm(task['tax'], task.get('tax_stderr'), '+')})" if "tax" in task else ""
+    return f"{task['score']:.3f}{tax}"
+
+
 def eval_line(suites: dict[str, Any]) -> str:
     """A policy's last eval results in one line, for `rlhf status`."""
     parts = []
@@ -236,11 +270,7 @@ def eval_line(suites: dict[str, Any]) -> str:
         elif suite == "checks":
             parts.append(f"checks {_pm(summary['accuracy'], summary['se'])}")
         else:
-            parts += [
-                f"{task} {t['score']:.3f}"
-                + (f" (tax {_pm(t['tax'], t.get('tax_stderr'), '+')})" if "tax" in t else "")
-                for task, t in summary.items()
-            ]
+            parts += [f"{task} {_task_cell(t)}" for task, t in summary.items()]
     return "; ".join(parts)
 
 

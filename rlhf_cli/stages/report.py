@@ -1,4 +1,5 @@
-"""`rlhf report`: a run's metrics.jsonl as pictures (PNG + an HTML page with the summaries).
+"""`rlhf report`: a run's metrics.jsonl as pictures (PNG + an HTML page with the summaries), and
+the last `rlhf eval` results as bars.
 
 The guide's healthy ranges (Part 9, `ppo/health.py`) are shaded; in-training audits are marked;
 with a judge (`audit.judge`), its held-out curves sit beside the proxy's, overoptimization flags
@@ -112,8 +113,49 @@ def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+EVAL_PANELS = {  # suite -> (title, the measure drawn, its standard error, the y-axis label)
+    "judge": ("Judge win rate against the baseline (95% CI)", "win_rate", None, "win rate"),
+    "checks": ("Checks accuracy (± se)", "accuracy", "se", "accuracy"),
+    "benchmarks": ("Alignment tax: task score − the baseline's (± se)", "tax", "tax_stderr", "Δ"),
+}
+
+
+def plot_eval(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    """The last `rlhf eval` results, a panel per suite, a bar per policy (and per task for the
+    benchmarks); the judge's bars carry their bootstrap interval, the others their se."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suites = [name for name in EVAL_PANELS if any(name in r for r in results.values())]
+    fig, axes = plt.subplots(1, len(suites), figsize=(5 * len(suites), 4), squeeze=False)
+    for ax, suite in zip(axes[0], suites, strict=True):
+        name, key, se, unit = EVAL_PANELS[suite]
+        bars = []  # (label, value, error below, error above)
+        for label, summary in ((k, r[suite]) for k, r in results.items() if suite in r):
+            if suite == "judge":
+                value = summary[key]
+                bars.append((label, value, value - summary["ci_low"], summary["ci_high"] - value))
+            elif suite == "checks":
+                bars.append((label, summary[key], summary[se], summary[se]))
+            else:
+                bars += [(f"{label}\n{task}", t[key], t[se] or 0.0, t[se] or 0.0)
+                         for task, t in summary.items() if key in t]  # fmt: skip
+        labels, values, low, high = zip(*bars, strict=True) if bars else ((), (), (), ())
+        ax.bar(labels, values, yerr=[low, high], capsize=4, color="tab:blue", alpha=0.8)
+        ax.axhline(0.5 if suite == "judge" else 0.0, color="grey", linewidth=1, linestyle=":")
+        ax.set_title(name, fontsize=9)
+        ax.set_ylabel(unit)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def run_report(run: RunDir) -> dict[str, str]:
-    """Write `ppo/report.png` and `ppo/report.html`; return their paths."""
+    """Write `ppo/report.png` and `ppo/report.html` (and `eval/report.png`, drawn into the page,
+    after `rlhf eval`); return their paths."""
     stage_dir = run.stage_dir("ppo")
     rows = read_metrics(stage_dir / "metrics.jsonl")
     if not rows:
@@ -124,19 +166,29 @@ def run_report(run: RunDir) -> dict[str, str]:
     png = stage_dir / "report.png"
     plot_metrics(rows, png, f"rlhf-cli · run {run.name} · {len(rows)} iterations")
     sections = []
-    for stage in ("sft", "rm", "ppo", "audit", "merged"):
+    for stage in ("sft", "rm", "ppo", "audit", "merged", "eval"):
         manifest = run.owner(stage).read_manifest(stage)  # sft and rm may be `run.base`'s
         if manifest:
             summary = {"status": manifest["status"], **manifest.get("metrics", {})}
             sections.append(
                 f"<h2>{stage}</h2><pre>{html.escape(json.dumps(summary, indent=2))}</pre>"
             )
-    image = base64.b64encode(png.read_bytes()).decode()
+    images = [("PPO curves", png)]
+    paths = {"png": str(png)}
+    evaluated = run.read_manifest("eval") or {}
+    if evaluated.get("results"):
+        paths["eval_png"] = str(run.stage_dir("eval") / "report.png")
+        title = f"rlhf eval · run {run.name} · baseline {evaluated.get('baseline')}"
+        plot_eval(evaluated["results"], Path(paths["eval_png"]), title)
+        images.append(("rlhf eval", Path(paths["eval_png"])))
+    pictures = "".join(
+        f"<img alt='{alt}' src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}'>"
+        for alt, p in images
+    )
     page = (
         f"<!doctype html><meta charset='utf-8'><title>rlhf report: {html.escape(run.name)}"
-        f"</title><h1>Run {html.escape(run.name)}</h1>"
-        f"<img alt='PPO curves' src='data:image/png;base64,{image}'>" + "".join(sections)
+        f"</title><h1>Run {html.escape(run.name)}</h1>" + pictures + "".join(sections)
     )
     out = stage_dir / "report.html"
     atomic_write_bytes(out, page.encode())
-    return {"png": str(png), "html": str(out)}
+    return {**paths, "html": str(out)}

@@ -1,5 +1,6 @@
-"""`rlhf status`: where a run stands, stage by stage, and what to run next; `--all` lists the runs.
-It only reads manifests (a damaged one shows as such) and never takes the run's lock."""
+"""`rlhf status`: where a run stands, stage by stage, the last `rlhf eval` results, and what to
+run next; `--all` lists the runs. It only reads manifests (a damaged one shows as such) and never
+takes the run's lock."""
 
 from __future__ import annotations
 
@@ -91,7 +92,24 @@ def run_status(run: RunDir) -> dict[str, Any]:
         advice = STAGE_COMMANDS[missing[0]] if missing else None
     if any("pid" in r for r in rows):
         advice = None  # something runs: nothing to start now
-    return {"run": run.name, "path": str(run.path), "stages": rows, "next": advice}
+    status = {"run": run.name, "path": str(run.path), "stages": rows, "next": advice}
+    evaluated = eval_results(run)
+    if evaluated is not None:
+        status["eval"] = evaluated
+    return status
+
+
+def eval_results(run: RunDir) -> dict[str, Any] | None:
+    """The last `rlhf eval` results of each policy (`eval/manifest.json`) and the baseline of
+    the last evaluation; None before any (or when the manifest is unreadable: `rlhf eval`
+    writes it again)."""
+    try:
+        manifest = run.read_manifest("eval")
+    except StageError:
+        return None
+    if not manifest or not manifest.get("results"):
+        return None
+    return {"baseline": manifest.get("baseline"), "policies": manifest["results"]}
 
 
 def all_runs(output_dir: Path) -> list[dict[str, Any]]:

@@ -106,3 +106,58 @@ def test_eval_before_ppo_names_the_command_to_run(make_recipe, chdir_tmp: Path) 
     recipe = make_recipe({"eval": {"checks": {"path": str(checks), "grader": "contains"}}})
     result = invoke("eval", "ppo", "--baseline", "base", "--recipe", str(recipe))
     assert_one_line_error(result, "rlhf eval needs the ppo stage", "run `rlhf ppo` first")
+
+
+SUMMARIES = {
+    "ppo": {
+        "judge": {"win_rate": 0.625, "ci_low": 0.5, "ci_high": 0.75, "lc_win_rate": 0.55,
+                  "wins": 4, "ties": 2, "losses": 2, "unreadable": 1, "length_unit": "words"},
+        "checks": {"accuracy": 0.75, "se": 0.21650635, "correct": 3, "n": 4, "no_answer": 0,
+                   "timeouts": 0, "baseline_accuracy": 0.5, "baseline_se": 0.25, "delta": 0.25},
+        "benchmarks": {"tiny_arith": {"metric": "exact_match", "score": 0.3, "stderr": 0.1,
+                                      "chat_template": True, "tax": -0.05, "tax_stderr": 0.1414}},
+    },
+    "sft": {"checks": {"accuracy": 0.5, "se": 0.25, "correct": 2, "n": 4, "no_answer": 1,
+                       "timeouts": 0}},
+}  # fmt: skip
+
+
+def rendered(draw, *args: Any) -> str:
+    from rich.console import Console
+
+    out = Console(record=True, width=200, highlight=False)
+    draw(*args, out)
+    return out.export_text()
+
+
+def test_the_eval_table_shows_each_measure_with_its_uncertainty() -> None:
+    from rlhf_cli import views
+
+    result = {"run": "tiny", "baseline": "sft", "results": SUMMARIES, "dir": "runs/tiny/eval",
+              "gate": {"passed": True, "missed": []}}  # fmt: skip
+    text = rendered(views.eval_results, result)
+    for needle in (
+        "win rate [95% CI]", "0.625 [0.500, 0.750]", "LC win rate (length in words)", "0.550",
+        "4 / 2 / 2, 1 unreadable", "0.750 ± 0.217 (3/4)", "baseline accuracy ± se",
+        "0.500 ± 0.250", "tiny_arith: exact_match (chat template)", "0.300 ± 0.100",
+        "tiny_arith: alignment tax", "-0.050 ± 0.141", "no answer / timeouts", "1 / 0",
+        "gate: passed",
+    ):  # fmt: skip
+        assert needle in text, needle
+    assert views.eval_line(SUMMARIES["ppo"]) == (
+        "judge 0.625 [0.500, 0.750] (LC 0.550); checks 0.750 ± 0.217; "
+        "tiny_arith 0.300 (tax -0.050 ± 0.141)"
+    )
+
+
+def test_compare_shows_the_eval_columns_of_each_policy() -> None:
+    from rlhf_cli import views
+
+    text = rendered(views.eval_columns, {"baseline": "sft", "policies": SUMMARIES})
+    lines = text.splitlines()
+    assert "last rlhf eval (baseline sft)" in lines[0]
+    ppo = next(line for line in lines if line.startswith("│ ppo"))
+    sft = next(line for line in lines if line.startswith("│ sft"))
+    for cell in ("0.625 [0.500, 0.750]", "0.550", "0.750 ± 0.217", "0.300 (tax -0.050 ± 0.141)"):
+        assert cell in ppo, cell
+    assert [c.strip() for c in sft.strip("│").split("│")] == ["sft", "—", "—", "0.500 ± 0.250", "—"]
