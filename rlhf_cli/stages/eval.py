@@ -9,6 +9,9 @@ for them. A LoRA policy is benchmarked as its merged weights, merged in memory a
 against the adapter model's logits as `rlhf merge` checks. Results go to
 `eval/<label>.<suite>.json` and the stage's manifest before the gate is applied: a threshold
 missed is `EvalGateFailed` (exit 4), with the results attached for the CLI to print.
+
+Long because one stage runs three suites: finding the policies, keeping their answers, each
+suite against the baseline and the gate read top to bottom here, each step a short function.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class Target:
     inputs: dict[str, InputRecord]
     load: Callable[[torch.device], tuple[Any, Any]]
     loaded: tuple[Any, Any] | None = field(default=None, repr=False)
+    engine: Any = field(default=None, repr=False)  # its generation engine, built once
 
 
 def run_eval(
@@ -80,7 +84,7 @@ def run_eval(
     cfg = recipe.eval
     baseline = baseline or cfg.baseline
     labels = list(dict.fromkeys(labels or cfg.policies))
-    suites = check_suites(cfg)
+    check_suites(cfg)
     run = RunDir.for_recipe(recipe)
 
     # 1. The judge answers, the prompts read and every policy found before any model loads.
@@ -107,19 +111,7 @@ def run_eval(
                 measured[target.label] = measure(recipe, target, prompts, record.dir, device)
         # 3. Each policy against the baseline, suite by suite; the results written.
         record.replacing()
-        results, files = {}, {}
-        for target in targets.values():
-            label = target.label
-            other = None if label == base else measured[base]
-            for suite in suites:
-                if suite == "judge" and other is None:
-                    continue  # the baseline against itself says nothing
-                full = compare(recipe, suite, prompts, measured[label], other)
-                full.update(policy=label, source=target.source, baseline=base, suite=suite)
-                path = record.dir / f"{label}.{suite}.json"
-                atomic_write_json(path, full)
-                results.setdefault(label, {})[suite] = full["summary"]
-                files[f"{label}.{suite}"] = path.name
+        results, files = write_results(recipe, record.dir, targets, base, prompts, measured)
         gate = check_gate(cfg, results, [label for label in policies if label != base])
         record.manifest["outputs"] = {**earlier.get("outputs", {}), **files}
         record.manifest["results"] = {**earlier.get("results", {}), **results}
@@ -134,6 +126,33 @@ def run_eval(
         failure.result = result  # type: ignore[attr-defined]
         raise failure
     return result
+
+
+def write_results(
+    recipe: Recipe,
+    folder: Path,
+    targets: dict[str, Target],
+    base: str,
+    prompts: dict[str, Any],
+    measured: dict[str, dict[str, Any]],
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """`<label>.<suite>.json` for each policy and suite (the baseline judged against itself
+    left out); (label -> suite -> summary, the files written by name)."""
+    results: dict[str, dict[str, Any]] = {}
+    files = {}
+    for target in targets.values():
+        label = target.label
+        other = None if label == base else measured[base]
+        for suite in check_suites(recipe.eval):
+            if suite == "judge" and other is None:
+                continue  # the baseline against itself says nothing
+            full = compare(recipe, suite, prompts, measured[label], other)
+            full.update(policy=label, source=target.source, baseline=base, suite=suite)
+            path = folder / f"{label}.{suite}.json"
+            atomic_write_json(path, full)
+            results.setdefault(label, {})[suite] = full["summary"]
+            files[f"{label}.{suite}"] = path.name
+    return results, files
 
 
 def check_suites(cfg: EvalSection) -> list[str]:
@@ -207,7 +226,8 @@ def resolve_target(recipe: Recipe, run: RunDir, label: str) -> Target:
         name = recipe.model.name_or_path
         tokenizer = recipe.model.tokenizer or name
         load = _sft_loader(recipe, name, None, tokenizer)
-        return Target("base", name, digest({"base": name}), {}, load)
+        files = folder_stamp(Path(name)) if Path(name).is_dir() else None
+        return Target("base", name, digest({"base": name, "files": files}), {}, load)
     if label == "sft":
         if not recipe.sft.enabled:
             raise StageError(
@@ -288,7 +308,7 @@ def measure(
         )
     if recipe.eval.benchmarks is not None:
         out["benchmarks"], out["merge_check"] = benchmark(recipe, target, device)
-    target.loaded = None
+    target.loaded = target.engine = None
     gc.collect()
     return out
 
@@ -326,8 +346,7 @@ def answers(
     where = {"file": str(path.relative_to(folder)), "hash": key, "reused": kept is not None}
     if kept is not None:
         return kept, where
-    model, tokenizer = loaded(target, device)
-    texts = generate(recipe, model, tokenizer, prompts, folder.parent)
+    texts = generate(recipe, target, prompts, device, folder.parent)
     rows = [{"prompt": p, "answer": a, "hash": key} for p, a in zip(prompts, texts, strict=True)]
     atomic_write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows).encode())
     return texts, where
@@ -348,16 +367,20 @@ def read_answers(path: Path, key: str, count: int) -> list[str] | None:
 
 
 def generate(
-    recipe: Recipe, model: Any, tokenizer: Any, prompts: list[Any], scratch: Path
+    recipe: Recipe, target: Target, prompts: list[Any], device: torch.device, scratch: Path
 ) -> list[str]:
-    """Answers with `eval.generation` (greedy by default), each row seeded from `run.seed`."""
+    """The target's answers with `eval.generation` (greedy by default), each row seeded from
+    `run.seed`, by its engine (built on first use)."""
     gen = recipe.eval.generation
+    model, tokenizer = loaded(target, device)
+    if target.engine is None:
+        target.engine = generation_engine(gen, model, tokenizer, recipe, scratch)
     seed_everything(recipe.run.seed)
     chat = recipe.model.prompt_format == "chat"
-    queries = tokenize_prompts(tokenizer, prompts, chat, recipe.data.prompts.max_tokens)  # type: ignore[union-attr]
-    generator = generation_engine(gen, model, tokenizer, recipe, scratch)
-    policy = generator.sync(model)
-    batches = sample_answers(generator, queries, gen, ANSWER_BATCH, recipe.run.seed, policy)
+    max_tokens = recipe.data.prompts.max_tokens  # type: ignore[union-attr]
+    queries = tokenize_prompts(tokenizer, prompts, chat, max_tokens)
+    policy = target.engine.sync(model)
+    batches = sample_answers(target.engine, queries, gen, ANSWER_BATCH, recipe.run.seed, policy)
     return [text for batch in batches for text in batch.texts]
 
 
@@ -377,7 +400,7 @@ def benchmark(
         model, check, problem = merge_and_cast(model, ids, mask, dtype, recipe.merge.atol)
         if problem is not None:
             raise MergeMismatch(f"rlhf eval: {target.label}: {problem}; no benchmark was run")
-        target.loaded = (model, tokenizer)
+        target.loaded, target.engine = (model, tokenizer), None  # the engine answered as before
     chat = recipe.model.prompt_format == "chat"
     return run_benchmarks(recipe.eval.benchmarks, model, tokenizer, chat), check  # type: ignore[arg-type]
 

@@ -264,3 +264,49 @@ def test_a_lora_policy_is_benchmarked_as_merged_weights_giving_its_logits(
         got = forward_logits(merged, ids, mask)[mask.bool()]
     assert_close(got, want, atol=1e-5, rtol=0)
     assert scores["tiny_arith"]["score"] == 0.25
+
+
+def test_status_shows_and_report_draws_the_last_results(evaluated: Evaluated) -> None:
+    from rlhf_cli.stages.status import run_status
+
+    manifest = json.loads(evaluated.run.manifest_path("eval").read_text())
+    judge = manifest["results"]["ppo"]["judge"]
+    checks = manifest["results"]["ppo"]["checks"]
+    status = run_status(evaluated.run)["eval"]
+    assert status == {"baseline": "sft", "policies": manifest["results"]}
+    runs = str(evaluated.run.output_dir)
+    shown = CliRunner().invoke(app, ["status", evaluated.run.name, "--runs-dir", runs])
+    assert shown.exit_code == 0, shown.output
+    assert "last rlhf eval (baseline sft):" in shown.output
+    line = (
+        f"  ppo: judge {judge['win_rate']:.3f} [{judge['ci_low']:.3f}, {judge['ci_high']:.3f}] "
+        f"(LC {judge['lc_win_rate']:.3f}); checks {checks['accuracy']:.3f} ± {checks['se']:.3f}"
+    )
+    assert line in shown.output.splitlines()
+    drawn = CliRunner().invoke(app, ["report", evaluated.run.name, "--runs-dir", runs, "--json"])
+    assert drawn.exit_code == 0, drawn.output
+    paths = json.loads(drawn.output)
+    assert paths["eval_png"] == str(evaluated.run.stage_dir("eval") / "report.png")
+    assert Path(paths["eval_png"]).stat().st_size > 1000
+    assert Path(paths["html"]).read_text().count("<img") == 2
+
+
+def test_benchmarks_through_the_harness_give_the_alignment_tax(
+    evaluated: Evaluated, repo_root: Path
+) -> None:
+    pytest.importorskip("lm_eval")
+    tasks = repo_root / "data" / "eval" / "tasks"
+    sets = [
+        "eval.judge=null", "eval.checks=null", "eval.benchmarks.tasks=[tiny_polite]",
+        f"eval.benchmarks.include_path={tasks}", "eval.benchmarks.limit=8",
+    ]  # fmt: skip
+    result = eval_stage.run_eval(load_recipe(evaluated.recipe_path, sets), QUIET)
+    folder = evaluated.run.stage_dir("eval")
+    ppo = json.loads((folder / "ppo.benchmarks.json").read_text())
+    sft = json.loads((folder / "sft.benchmarks.json").read_text())
+    ours, theirs = ppo["summary"]["tiny_polite"], sft["summary"]["tiny_polite"]
+    assert ours["n"] == theirs["n"] == 8 and ours["chat_template"] is True
+    assert ours["tax"] == pytest.approx(ours["score"] - theirs["score"])
+    assert ppo["merge_check"]["max_abs_logit_diff"] <= ppo["merge_check"]["tolerance"]
+    assert sft["merge_check"] is None  # the SFT model of the tiny run is whole weights
+    assert result["results"]["ppo"]["benchmarks"]["tiny_polite"]["tax"] == ours["tax"]
