@@ -33,6 +33,7 @@ STAGE_COMMANDS = {
     "rm": "rlhf train-rm",
     "ppo": "rlhf ppo",
     "audit": "rlhf audit",
+    "eval": "rlhf eval",
     "merged": "rlhf merge",
     "push": "rlhf push",
 }

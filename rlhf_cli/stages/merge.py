@@ -36,7 +36,6 @@ from rlhf_cli.resume import named_checkpoint
 from rlhf_cli.rundir import Manifest, RunDir
 from rlhf_cli.stages.trained import (
     PolicyLocation,
-    cast_tolerance,  # noqa: F401 - tests/unit/test_merge.py imports it from here
     load_policy,
     locate_policy,
     merge_and_cast,

@@ -27,7 +27,9 @@ MEMORY_METRICS = (
     "peak_memory_rss_bytes",
     "planned_peak_bytes",
 )
-PIPELINE = tuple(STAGE_COMMANDS)  # the stages in pipeline order
+# the stages in pipeline order; `rlhf eval` is a yardstick the recipe may not ask for, shown
+# apart (`eval_results`), never the command to type next
+PIPELINE = tuple(stage for stage in STAGE_COMMANDS if stage != "eval")
 
 
 def stage_row(run: RunDir, stage: str) -> dict[str, Any]:

@@ -273,7 +273,11 @@ def generation_engine(
     written under `scratch` while it loads them. Refused first: a prompt and answer longer than
     the policy's context, a tokenizer with ids past its embeddings, bfloat16 for vLLM on a GPU
     that lacks it."""
-    section = "ppo.generation" if gen is recipe.ppo.generation else "audit.generation"
+    named = {
+        id(recipe.ppo.generation): "ppo.generation",
+        id(recipe.eval.generation): "eval.generation",
+    }
+    section = named.get(id(gen), "audit.generation")
     lengths = {"data.prompts.max_tokens": recipe.data.prompts.max_tokens}
     lengths[f"{section}.max_new_tokens"] = gen.max_new_tokens
     check_context(model, lengths, "the policy")

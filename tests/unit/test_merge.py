@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_cli.stages.merge import cast_tolerance, merge_and_cast
+from rlhf_cli.stages.trained import cast_tolerance, merge_and_cast
 
 
 def test_cast_tolerance_is_merge_atol_in_float32_and_rounding_steps_in_half() -> None:
