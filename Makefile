@@ -51,6 +51,7 @@ demo: $(STAMP)
 	$(RLHF) train-rm
 	$(RLHF) ppo --set 'audit.judge.functions=$(DEMO_JUDGE)'   # scored beside the proxy, never trained on
 	$(RLHF) audit || test $$? -eq 1   # exit 1 = hacking detected: reported, the demo goes on
+	$(RLHF) eval   # the PPO policy against SFT on checks and benchmarks it never trained on
 	$(RLHF) merge
 	$(RLHF) push --dry-run
 	$(RLHF) report
