@@ -15,8 +15,10 @@ import json
 import re
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from fake_http import LocalServer
 
 # the two answers in rlhf_cli.recipe.eval.DEFAULT_JUDGE_PROMPT
 ANSWERS = re.compile(r"\nAnswer A:\n(.*)\n\nAnswer B:\n(.*)\n\nWhich answer", re.DOTALL)
@@ -29,7 +31,7 @@ def answers(content: str) -> tuple[str, str]:
     return found[1], found[2]
 
 
-class FakeJudge:
+class FakeJudge(LocalServer):
     def __init__(
         self,
         reply: Callable[[str, str], str | None],
@@ -41,22 +43,9 @@ class FakeJudge:
         self.key = key
         self.fail: list[int] = []
         self.hang = False
-        self.released = threading.Event()  # set by `stop`: hung requests end
         self.requests: list[tuple[str, str | None, Any]] = []
         self._lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def stop(self) -> None:
-        self.released.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(_handler(self))
 
     def route(self, path: str, auth: str | None, body: Any) -> tuple[int, Any]:
         with self._lock:

@@ -23,10 +23,11 @@ import copy
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import torch
+from fake_http import LocalServer
 from transformers import AutoModelForCausalLM
 
 from rlhf_cli.generation import HFGenerator
@@ -39,7 +40,7 @@ TRANSFER_ROUTES = (
 )  # fmt: skip
 
 
-class FakeVLLM:
+class FakeVLLM(LocalServer):
     def __init__(self, model_dir: str, tokenizer: Any, max_model_len: int = 512) -> None:
         self.name = model_dir
         self.tokenizer = tokenizer
@@ -54,25 +55,12 @@ class FakeVLLM:
         self.delay_s = 0.0
         self.late: list[float] = []
         self.hang = False
-        self.released = threading.Event()  # set by `stop`: hung requests end
         self.hung_at: float | None = None  # when the first request was left unanswered
         self.answer_as: str | None = None
         self.die_after: int | None = None  # completions answered before every request fails
         self.die_how = 0
         self.lock = threading.Lock()  # one generation at a time
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def stop(self) -> None:
-        self.released.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(_handler(self))
 
     @staticmethod
     def _load(folder: str) -> Any:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import threading
 from typing import Any
 
 import torch
@@ -185,25 +184,15 @@ def _ask_all(cfg: EvalJudgeSection, key: str | None, bodies: list[dict]) -> list
     if not bodies:
         return []
     batch = Batch(len(bodies), deadline_s(cfg, len(bodies)))
-
-    def work() -> None:
-        while (row := batch.take()) is not None:
-            try:
-                batch.answered(row, _ask(cfg, key, bodies[row], batch))
-            except BaseException as exc:  # noqa: BLE001 — raised in the caller's thread
-                batch.fail(exc)
-
-    for _ in range(min(cfg.concurrency, len(bodies))):
-        threading.Thread(target=work, name="eval-judge", daemon=True).start()
-    if not batch.over.wait(max(batch.left_s(), 0.0)):
-        batch.fail(EvalError(
+    return batch.run(
+        lambda row: _ask(cfg, key, bodies[row], batch),
+        min(cfg.concurrency, len(bodies)),
+        lambda: EvalError(
             f"eval.judge: the judge at {cfg.url} did not give {len(bodies)} verdicts within "
             f"{batch.deadline_s:g} s ({cfg.concurrency} at once, each within timeout_s "
             f"{cfg.timeout_s:g} s): give it more time or fewer prompts (max_prompts)"
-        ))  # fmt: skip
-    if batch.error is not None:
-        raise batch.error
-    return batch.answers
+        ),
+    )
 
 
 def _ask(cfg: EvalJudgeSection, key: str | None, body: dict, batch: Batch) -> str | None:

@@ -306,25 +306,19 @@ class ServerGenerator:
         """Every job's answer, asked for by daemon threads (MAX_IN_FLIGHT per server) within
         the batch's deadline; the first failure ends the batch (`Batch`) and is raised."""
 
-        def work() -> None:
-            while (row := batch.take()) is not None:
-                try:
-                    batch.answered(row, self._answer(*jobs[row], gen, policy, batch))
-                except BaseException as exc:  # noqa: BLE001 — raised in the caller's thread
-                    batch.fail(exc)
-
-        urls = {url for url, _, _ in jobs}
-        for _ in range(max(1, min(len(jobs), MAX_IN_FLIGHT * len(urls)))):
-            threading.Thread(target=work, name="vllm-server", daemon=True).start()
-        if not batch.over.wait(max(batch.left_s(), 0.0)):
+        def late() -> GenerationServerLost:
             url = next(job[0] for job, got in zip(jobs, batch.answers, strict=True) if got is None)
-            batch.fail(GenerationServerLost(
+            return GenerationServerLost(
                 f"the rollout server at {url} did not answer every row of a batch within "
                 f"{batch.deadline_s:g} s ((server.retries + 1) x server.timeout_s and the pauses)"
-            ))  # fmt: skip
-        if batch.error is not None:
-            raise batch.error
-        return batch.answers
+            )
+
+        urls = {url for url, _, _ in jobs}
+        return batch.run(
+            lambda row: self._answer(*jobs[row], gen, policy, batch),
+            min(len(jobs), MAX_IN_FLIGHT * len(urls)),
+            late,
+        )
 
     def _answer(
         self,

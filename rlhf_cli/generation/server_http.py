@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -176,6 +177,28 @@ class Batch:
 
     def left_s(self) -> float:
         return self.ends - time.monotonic()
+
+    def run(
+        self, answer: Callable[[int], Any], workers: int, late: Callable[[], BaseException]
+    ) -> list[Any]:
+        """Every row's `answer(row)`, asked for by `workers` daemon threads until the batch is
+        over or its deadline passes (then it fails with `late()`); the first failure ends the
+        batch and is raised here, in the caller's thread."""
+
+        def work() -> None:
+            while (row := self.take()) is not None:
+                try:
+                    self.answered(row, answer(row))
+                except BaseException as exc:  # noqa: BLE001 — raised in the caller's thread
+                    self.fail(exc)
+
+        for _ in range(max(1, workers)):
+            threading.Thread(target=work, name="batch", daemon=True).start()
+        if not self.over.wait(max(self.left_s(), 0.0)):
+            self.fail(late())
+        if self.error is not None:
+            raise self.error
+        return self.answers
 
 
 def retrying(
