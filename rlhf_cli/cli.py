@@ -280,7 +280,7 @@ def _check_data(recipe: Recipe, row: int | None, sample: int, as_json: bool) -> 
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     else:
-        views.data_check(result, Console(highlight=False))
+        views.data_check(result, make_console(stdout=True))
     failed = [f"{stage}: {s['error']}" for stage, s in result["stages"].items() if "error" in s]
     if failed:
         raise DataError(f"data check failed: {'; '.join(failed)}")
@@ -341,7 +341,7 @@ def plan(
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     else:
-        views.plan_report(result, Console(highlight=False))
+        views.plan_report(result, make_console(stdout=True))
     if not result["fits"]:
         from rlhf_cli.errors import DoesNotFit
 
@@ -507,7 +507,7 @@ def push(
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     elif not quiet:
-        views.pushed(result, dry_run, Console(highlight=False))
+        views.pushed(result, dry_run, make_console(stdout=True))
 
 
 @app.command(cls=_Command)
@@ -527,7 +527,7 @@ def status(
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
-    out = Console(highlight=False)
+    out = make_console(stdout=True)
     if every:
         views.all_runs(result, out)
     else:
@@ -615,7 +615,7 @@ def compare(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    out = Console(highlight=False)  # the result: stdout, as report's
+    out = make_console(stdout=True)  # the result: stdout, as report's
     views.comparison(rows, out)
     evaluated = eval_results(RunDir.for_recipe(resolved))
     if evaluated is not None:
@@ -664,7 +664,7 @@ def _show_eval(result: dict[str, Any], as_json: bool, quiet: bool) -> None:
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     elif not quiet:
-        views.eval_results(result, Console(highlight=False))
+        views.eval_results(result, make_console(stdout=True))
 
 
 def main() -> None:

@@ -28,9 +28,12 @@ from rlhf_cli.errors import DataError, RlhfError
 from rlhf_cli.rundir import atomic_write_bytes
 
 
-def make_console(quiet: bool = False, json_mode: bool = False) -> Console:
-    """Human output goes to stderr so that `--json` leaves stdout to the JSON alone."""
-    return Console(stderr=True, quiet=quiet or json_mode, highlight=False)
+def make_console(quiet: bool = False, json_mode: bool = False, stdout: bool = False) -> Console:
+    """Human output goes to stderr so that `--json` leaves stdout to the JSON alone (`stdout`:
+    a result a command prints there, a report or a table). Text is printed as it is: no
+    highlighting, and no emoji codes (a path and line number such as `recipe.yaml:100:` would
+    become an emoji)."""
+    return Console(stderr=not stdout, quiet=quiet or json_mode, highlight=False, emoji=False)
 
 
 def quiet_libraries() -> None:
