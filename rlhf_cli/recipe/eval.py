@@ -67,7 +67,7 @@ class EvalJudgeSection(Section):
     @field_validator("prompts_file")
     @classmethod
     def _prompts_exist(cls, value: str | None, info: ValidationInfo) -> str | None:
-        return _local_file(value, info, "eval.judge.prompts_file")
+        return _local_file(value, info, "prompts file")
 
     @field_validator("prompt")
     @classmethod
@@ -103,7 +103,7 @@ class ChecksSection(Section):
     @field_validator("path")
     @classmethod
     def _path_exists(cls, value: str, info: ValidationInfo) -> str:
-        return _local_file(value, info, "eval.checks.path") or value
+        return _local_file(value, info, "checks file") or value
 
 
 class BenchmarksSection(Section):
@@ -125,7 +125,7 @@ class BenchmarksSection(Section):
     @field_validator("include_path")
     @classmethod
     def _include_exists(cls, value: str | None, info: ValidationInfo) -> str | None:
-        return _local_file(value, info, "eval.benchmarks.include_path")
+        return _local_file(value, info, "task folder")
 
 
 class GateSection(Section):
