@@ -1,5 +1,6 @@
-"""Benchmarks through lm-evaluation-harness (`eval.benchmarks`), and the alignment tax: each
-task's score minus the baseline's.
+"""Benchmarks through lm-evaluation-harness (`eval.benchmarks`), and the alignment tax: what
+each task's score gained on the baseline's, signed so that negative is a loss whichever way the
+task's metric points.
 
 The harness is an optional extra (`rlhf-cli[eval]`), imported here only when a recipe asks for
 benchmarks, so the CLI stays light. The policy comes in already loaded (a LoRA policy merged by
@@ -26,7 +27,8 @@ def run_benchmarks(
     cfg: BenchmarksSection, model: Any, tokenizer: Any, chat: bool
 ) -> dict[str, dict]:
     """Per task of `cfg.tasks`: its main metric (the first the harness reports, first filter),
-    `score`, the harness's `stderr` (None where it has none), `higher_is_better`,
+    `score`, the harness's `stderr` (None where it has none), `higher_is_better` (None where
+    the harness cannot say: a group whose tasks disagree),
     `chat_template` (applied or not) and `n` (documents scored). `chat`: training rendered
     prompts through the chat template; `cfg.chat_template` `auto` follows it."""
     lm_eval, hflm, tasks = _harness()
@@ -52,18 +54,22 @@ def run_benchmarks(
 
 
 def alignment_tax(policy: dict[str, dict], baseline: dict[str, dict]) -> dict[str, dict]:
-    """Per task both measured: `delta` (the policy's score minus the baseline's, negative when
-    the policy lost ground on a higher-is-better metric) and its `stderr`, sqrt(se_p² + se_b²)
-    (the two are independent measurements; None when either has no stderr)."""
+    """Per task both measured: `tax`, what the policy gained on the baseline whichever way the
+    metric points (its score minus the baseline's where higher is better, the baseline's minus
+    its where lower is, as for perplexity: negative is always a loss), its `stderr`,
+    sqrt(se_p² + se_b²) (the two are independent measurements; None when either has no stderr),
+    and the metric's direction (`higher_is_better`, as the harness reports it: None for a group
+    whose tasks' metrics point both ways, whose tax is then None too)."""
     tax = {}
     for task in policy.keys() & baseline.keys():
         ours, theirs = policy[task], baseline[task]
         errors = (ours["stderr"], theirs["stderr"])
+        gain, higher = ours["score"] - theirs["score"], ours["higher_is_better"]
         tax[task] = {
             "metric": ours["metric"],
-            "delta": ours["score"] - theirs["score"],
+            "tax": None if higher is None else gain if higher else -gain,
             "stderr": None if None in errors else math.hypot(*errors),
-            "higher_is_better": ours["higher_is_better"],
+            "higher_is_better": higher,
         }
     return dict(sorted(tax.items()))
 
@@ -161,7 +167,7 @@ def _summary(results: dict, name: str, applied: bool) -> dict:
         "metric": key,
         "score": float(row[key]),
         "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
-        "higher_is_better": bool(results["higher_is_better"].get(name, {}).get(metric, True)),
+        "higher_is_better": results["higher_is_better"].get(name, {}).get(metric, True),
         "chat_template": applied,
         "n": int(row.get("sample_len", 0)),
     }

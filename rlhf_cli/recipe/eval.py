@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ValidationInfo, field_validator
+from pydantic import ValidationInfo, field_validator, model_validator
 
 from rlhf_cli.recipe.base import Section, described, near_recipe
 from rlhf_cli.recipe.ppo import GenerationSection
@@ -128,18 +128,30 @@ class BenchmarksSection(Section):
         return _local_file(value, info, "task folder")
 
 
+# The gate's minimums by the suite whose summary they read (max_alignment_tax: by task).
+GATED = {"min_win_rate": "judge", "min_lc_win_rate": "judge", "min_accuracy": "checks"}
+
+
 class GateSection(Section):
     min_win_rate: float | None = described(
-        None, "Least judge win rate against the baseline (ties count half).", ge=0.0, le=1.0
+        None,
+        "Least judge win rate against the baseline (ties count half); needs `judge`.",
+        ge=0.0,
+        le=1.0,
     )
     min_lc_win_rate: float | None = described(
-        None, "Least length-controlled judge win rate against the baseline.", ge=0.0, le=1.0
+        None,
+        "Least length-controlled judge win rate against the baseline; needs `judge`.",
+        ge=0.0,
+        le=1.0,
     )
     min_accuracy: float | None = described(None, "Least accuracy on `checks`.", ge=0.0, le=1.0)
     max_alignment_tax: dict[str, float] = described(
         {},
-        "Per benchmark task, the lowest allowed score minus the baseline's (e.g. "
-        "`{gsm8k: -0.02}`).",
+        "Per benchmark task (one of `benchmarks.tasks`), the lowest allowed gain on the "
+        "baseline's score, e.g. `{gsm8k: -0.02}`: the score minus the baseline's, or the "
+        "baseline's minus the score for a lower-is-better metric (perplexity), so negative is "
+        "always a loss.",
     )
 
 
@@ -162,3 +174,26 @@ class EvalSection(Section):
     gate: GateSection = described(
         GateSection(), "Thresholds that make `rlhf eval` exit 4 when a policy misses one."
     )
+
+    @model_validator(mode="after")
+    def _gate_measured(self) -> EvalSection:
+        """Every gate threshold reads a suite this section runs (and a task it benchmarks): a
+        threshold nothing measures would fail every run, and only after the models ran."""
+        gate = self.gate
+        unmeasured = [
+            f"{name} is set but eval.{suite} is not (set both)"
+            for name, suite in GATED.items()
+            if getattr(gate, name) is not None and getattr(self, suite) is None
+        ]
+        tasks = self.benchmarks.tasks if self.benchmarks is not None else []
+        unknown = ", ".join(sorted(set(gate.max_alignment_tax) - set(tasks)))
+        if unknown and not tasks:
+            unmeasured.append(f"max_alignment_tax names {unknown} but eval.benchmarks is not set")
+        elif unknown:
+            unmeasured.append(
+                f"max_alignment_tax names {unknown}, not among eval.benchmarks.tasks "
+                f"({', '.join(tasks)})"
+            )
+        if unmeasured:
+            raise ValueError(f"gate: {'; '.join(unmeasured)}")
+        return self

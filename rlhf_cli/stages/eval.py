@@ -474,14 +474,15 @@ def checked(
 
 
 def benchmarked(policy: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str, Any]:
-    """Each task's score; with a baseline, the alignment tax (score minus the baseline's, its
-    standard error from both)."""
+    """Each task's score (and its metric's direction, `higher_is_better`); with a baseline, the
+    alignment tax (the gain on the baseline's score, negative a loss whichever way the metric
+    points; its standard error from both)."""
     from rlhf_cli.evals.benchmarks import alignment_tax
 
     tasks = {name: dict(task) for name, task in policy["benchmarks"].items()}
     if baseline is not None:
         for name, tax in alignment_tax(policy["benchmarks"], baseline["benchmarks"]).items():
-            tasks[name].update(tax=tax["delta"], tax_stderr=tax["stderr"])
+            tasks[name].update(tax=tax["tax"], tax_stderr=tax["stderr"])
     return {"summary": tasks, "merge_check": policy["merge_check"]}
 
 

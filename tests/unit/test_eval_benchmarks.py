@@ -1,7 +1,7 @@
 """Benchmarks through lm-evaluation-harness (`rlhf_cli/evals/benchmarks.py`): lm-eval's scores on
 the tiny model and the shipped offline tasks equal a count made here by hand (the prompts
 rendered as training renders them, greedy answers, summed log-likelihoods), with the chat
-template on and off; the alignment tax against hand-computed numbers; the harness missing."""
+template on and off; the harness missing. The alignment tax is in tests/unit/test_eval_gate.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from rlhf_cli.errors import EvalError
-from rlhf_cli.evals.benchmarks import alignment_tax, run_benchmarks
+from rlhf_cli.evals.benchmarks import run_benchmarks
 from rlhf_cli.generation import tokenize_prompts
 from rlhf_cli.modeling import load_tokenizer, resolve_model_path
 from rlhf_cli.recipe import BenchmarksSection
@@ -204,24 +204,6 @@ def test_an_unknown_task_is_one_line_naming_it(policy, tmp_path) -> None:
         EvalError, match=f"no lm-eval task no_such_task in the harness or in {tmp_path}"
     ):
         run_benchmarks(cfg, *policy, chat=False)
-
-
-def test_alignment_tax_is_the_score_difference_with_both_stderrs() -> None:
-    def row(score: float, stderr: float | None) -> dict:
-        return {"metric": "acc,none", "score": score, "stderr": stderr, "higher_is_better": True}
-
-    policy = {"arc": row(0.62, 0.03), "gsm8k": row(0.30, None), "only_policy": row(1.0, 0.0)}
-    baseline = {"arc": row(0.70, 0.04), "gsm8k": row(0.25, 0.02), "only_baseline": row(0.5, 0.1)}
-    tax = alignment_tax(policy, baseline)
-    assert list(tax) == ["arc", "gsm8k"]  # only tasks measured on both sides
-    assert tax["arc"] == {
-        "metric": "acc,none",
-        "delta": pytest.approx(-0.08),
-        "stderr": pytest.approx(0.05),  # √(0.03² + 0.04²)
-        "higher_is_better": True,
-    }
-    assert tax["gsm8k"]["delta"] == pytest.approx(0.05)
-    assert tax["gsm8k"]["stderr"] is None  # one side without a stderr: none for the difference
 
 
 def test_without_lm_eval_it_is_the_install_line(monkeypatch) -> None:
