@@ -569,6 +569,15 @@ def serve(
     start_timeout: Annotated[
         float, typer.Option("--start-timeout", min=1.0, help="Seconds to wait for it to answer.")
     ] = 600.0,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            metavar="NAME_OR_PATH",
+            help="Serve this model as an eval judge instead of the policy: a folder, a hub id, "
+            "a builtin: name or a .gguf file, served under that name (eval.judge.model).",
+        ),
+    ] = None,
     print_command: Annotated[
         bool,
         typer.Option("--print-command", metavar=FLAG, help="Print the command; start nothing."),
@@ -576,14 +585,15 @@ def serve(
     as_json: JsonOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:
-    """Start vLLM's server for the recipe's policy (backend: vllm_server); Ctrl-C stops it.
+    """Start vLLM's server for the recipe's policy (backend: vllm_server), or for a judge
+    (--model); Ctrl-C stops it.
 
-    Prints the --set line that points `rlhf ppo` at it once it answers."""
+    Prints the --set line that points `rlhf ppo` (or `rlhf eval`) at it once it answers."""
     from rlhf_cli.stages.serve import ServeSettings, run_serve, serve_info
 
     quiet_libraries()
     resolved = resolve_recipe(recipe, runs_dir, sets)
-    settings = ServeSettings(host, port, python, gpu_memory_utilization, start_timeout)
+    settings = ServeSettings(host, port, python, gpu_memory_utilization, start_timeout, model)
     show = functools.partial(views.serve_ready, as_json=as_json, console=make_console(False))
     if print_command:
         show(serve_info(resolved, settings), started=False)

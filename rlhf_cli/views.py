@@ -276,7 +276,8 @@ def eval_line(suites: dict[str, Any]) -> str:
 
 def serve_ready(info: dict[str, Any], *, started: bool, as_json: bool, console: Console) -> None:
     """`rlhf serve`: the server's command (`--print-command`), or, once it answers, its URL
-    and the `--set` line for `rlhf ppo` on stdout, flushed at once (a script waits for it)."""
+    and the `--set` line for `rlhf ppo` (a judge's: for `rlhf eval`) on stdout, flushed at
+    once (a script waits for it)."""
     import json
     import shlex
 
@@ -285,10 +286,12 @@ def serve_ready(info: dict[str, Any], *, started: bool, as_json: bool, console: 
         return
     env = " ".join(f"{k}={v}" for k, v in info["env"].items())
     if not started:
-        print(f"{env} {shlex.join(info['command'])}", flush=True)
+        print(f"{env} {shlex.join(info['command'])}".strip(), flush=True)
         return
-    console.print(f"vLLM server up at {info['url']} (log: {info['log']}); Ctrl-C stops it")
-    print(f"rlhf ppo {info['set']}", flush=True)
+    judge = info["role"] == "judge"
+    what = f"vLLM judge {info['model']}" if judge else "vLLM server"
+    console.print(f"{what} up at {info['url']} (log: {info['log']}); Ctrl-C stops it")
+    print(f"rlhf {'eval' if judge else 'ppo'} {info['set']}", flush=True)
 
 
 def pushed(result: dict[str, Any], dry_run: bool, out: Console) -> None:

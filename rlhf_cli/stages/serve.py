@@ -1,11 +1,16 @@
 """`rlhf serve`: vLLM's own OpenAI-compatible server for the recipe's policy, started with the
-flags `backend: vllm_server` needs, for `rlhf ppo` (and the audit, compare) to roll out on.
+flags `backend: vllm_server` needs, for `rlhf ppo` (and the audit, compare) to roll out on; or,
+with `--model JUDGE`, for a judge that `rlhf eval` asks (`eval.judge`), which needs no run.
 
 The server serves the policy's base: the SFT model (its LoRA adapter merged into the base once,
 into `<run>/serve/base`, or its whole weights), or the recipe's model when SFT is off. PPO then
 sends its adapter after every update (runtime LoRA loading: `--enable-lora` with the recipe's
 rank) or its merged weights (vLLM's dev endpoints, `VLLM_SERVER_DEV_MODE=1`). The engine logs
 go to `<run>/serve/server-<port>.log`.
+
+A judge is any model the recipe's `model.name_or_path` could name (a folder, a hub id, a
+`builtin:` name, a `.gguf` file), resolved as the policy's is, and served under that name as
+given, at the longest context that fits (`--max-model-len auto`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_cli.errors import ModelLoadError, StageError
-from rlhf_cli.recipe import Recipe
+from rlhf_cli.recipe import ModelSection, Recipe
 from rlhf_cli.rundir import InputRecord, RunDir, atomic_write_json
 
 # the ranks vLLM's LoRA kernels take (`--max-lora-rank`)
@@ -41,6 +46,7 @@ class ServeSettings:
     python: str | None = None  # the interpreter with vLLM (default: this one)
     gpu_memory_utilization: float = 0.9  # the server's GPUs are its own
     start_timeout_s: float = 600.0
+    model: str | None = None  # a judge to serve instead of the policy (`--model`)
 
 
 def serving_base(recipe: Recipe, run: RunDir) -> tuple[str, str]:
@@ -70,24 +76,13 @@ def serving_base(recipe: Recipe, run: RunDir) -> tuple[str, str]:
 def serve_command(
     recipe: Recipe, model: str, tokenizer: str, settings: ServeSettings, gpu: bool
 ) -> tuple[list[str], dict[str, str]]:
-    """The server's command line and the environment it adds: lengths for the longest prompt
-    and answer the recipe asks for, the processed log-probs PPO compares, LoRA at the recipe's
-    rank, the recipe's dtype and tensor parallelism on GPUs (float32, eager, no compilation on
-    the CPU)."""
+    """The policy server's command line and the environment it adds: lengths for the longest
+    prompt and answer the recipe asks for, the processed log-probs PPO compares, LoRA at the
+    recipe's rank, and the NCCL weight transfer on GPUs for whole weights."""
     gen, audit = recipe.ppo.generation, recipe.audit.generation
     longest = recipe.data.prompts.max_tokens + max(gen.max_new_tokens, audit.max_new_tokens)
-    dtype = recipe.model.dtype if gpu and recipe.model.dtype != "auto" else "auto"
-    command = [
-        settings.python or sys.executable, "-m", ENTRY,
-        "--model", model,
-        "--tokenizer", tokenizer,
-        "--host", settings.host,
-        "--port", str(settings.port),
-        "--max-model-len", str(longest),
-        "--seed", str(recipe.run.seed),
-        "--logprobs-mode", "processed_logprobs",
-        "--dtype", dtype if gpu else "float32",
-    ]  # fmt: skip
+    command, env = server_command(recipe, model, tokenizer, settings, gpu)
+    command += ["--max-model-len", str(longest), "--logprobs-mode", "processed_logprobs"]
     if recipe.model.lora.enabled:
         rank = next((r for r in VLLM_LORA_RANKS if r >= recipe.model.lora.r), None)
         if rank is None:
@@ -96,25 +91,70 @@ def serve_command(
                 f"({VLLM_LORA_RANKS[-1]}); use sync: weights"
             )
         command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
+    weights = gen.server.sync == "weights" or (
+        gen.server.sync == "auto" and not recipe.model.lora.enabled
+    )
+    if gpu and weights and gen.server.weight_transfer != "disk":  # may be sent over NCCL
+        command += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /update_weight_version (weights)
+    return command, env
+
+
+def judge_command(
+    recipe: Recipe, model: str, name: str, settings: ServeSettings, gpu: bool
+) -> tuple[list[str], dict[str, str]]:
+    """A judge server's command line: the model served under `name` (what `eval.judge.model`
+    says), at the longest context that fits (a judge reads a prompt and two answers, in its
+    own tokens); no LoRA, no dev endpoints."""
+    command, env = server_command(recipe, model, model, settings, gpu)
+    return command + ["--served-model-name", name, "--max-model-len", "auto"], env
+
+
+def server_command(
+    recipe: Recipe, model: str, tokenizer: str, settings: ServeSettings, gpu: bool
+) -> tuple[list[str], dict[str, str]]:
+    """What every server `rlhf serve` starts shares: where it listens, the run's seed, the
+    recipe's dtype and tensor parallelism on GPUs (float32, eager, no compilation and 1 GiB of
+    KV cache on the CPU)."""
+    dtype = recipe.model.dtype if gpu and recipe.model.dtype != "auto" else "auto"
+    command = [
+        settings.python or sys.executable, "-m", ENTRY,
+        "--model", model,
+        "--tokenizer", tokenizer,
+        "--host", settings.host,
+        "--port", str(settings.port),
+        "--seed", str(recipe.run.seed),
+        "--dtype", dtype if gpu else "float32",
+    ]  # fmt: skip
     if gpu:
         command += [
             "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
-            "--tensor-parallel-size", str(gen.vllm.tensor_parallel_size),
+            "--tensor-parallel-size", str(recipe.ppo.generation.vllm.tensor_parallel_size),
         ]  # fmt: skip
-        weights = gen.server.sync == "weights" or (
-            gen.server.sync == "auto" and not recipe.model.lora.enabled
-        )
-        if weights and gen.server.weight_transfer != "disk":  # the trainer may send over NCCL
-            command += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
-    else:
-        command += ["--enforce-eager", "--compilation-config", '{"mode": 0}']
-    env = {
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # /v1/load_lora_adapter
-        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /update_weight_version (sync: weights)
-    }
-    if not gpu:
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB of KV cache
-    return command, env
+        return command, {}
+    command += ["--enforce-eager", "--compilation-config", '{"mode": 0}']
+    return command, {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache
+
+
+def judge_folder(name: str) -> str:
+    """What the judge server loads for `--model`, resolved as the recipe's `model.name_or_path`
+    is (a folder checked, a hub id kept, a `builtin:` name built, a `.gguf` file dequantized
+    once); a name that does not resolve is one ModelLoadError naming it."""
+    from pydantic import ValidationError
+
+    from rlhf_cli.modeling import model_path
+
+    path = Path(name).expanduser()
+    fields = {"name_or_path": name}
+    if path.suffix == ".gguf":
+        fields = {"name_or_path": str(path.parent), "gguf_file": path.name}
+    try:
+        section = ModelSection(**fields)
+    except ValidationError as exc:
+        problem = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+        raise ModelLoadError(f"--model {name}: {problem}") from None
+    return model_path(section.name_or_path, section)
 
 
 def url_of(settings: ServeSettings) -> str:
@@ -130,6 +170,13 @@ def set_line(urls: list[str]) -> str:
     """The `--set` options that point `rlhf ppo` at the servers."""
     listed = ",".join(f'"{u}"' for u in urls)
     return f"--set ppo.generation.backend=vllm_server --set 'ppo.generation.server.urls=[{listed}]'"
+
+
+def judge_set_line(url: str, name: str) -> str:
+    """The `--set` options that point `rlhf eval` at a judge server."""
+    import shlex
+
+    return f"--set eval.judge.url={url} --set {shlex.quote(f'eval.judge.model={name}')}"
 
 
 def check_python(python: str) -> None:
@@ -228,7 +275,8 @@ def _last_line(log: Path) -> str:
 
 
 def serve_info(recipe: Recipe, settings: ServeSettings) -> dict[str, object]:
-    """Everything `rlhf serve` starts, resolved (`--print-command` shows it without starting)."""
+    """Everything `rlhf serve` starts, resolved (`--print-command` shows it without starting):
+    the policy's server, or the judge's (`settings.model`; no stage of the run needed)."""
     import torch
 
     gpu = torch.cuda.is_available()
@@ -238,17 +286,18 @@ def serve_info(recipe: Recipe, settings: ServeSettings) -> dict[str, object]:
             f"ppo.generation.vllm.tensor_parallel_size: {parallel} GPUs asked for, this machine "
             f"has {gpus}: lower it or start the server where {parallel} GPUs are visible"
         )
-    run = RunDir.for_recipe(recipe)
-    model, tokenizer = serving_base(recipe, run)
-    command, env = serve_command(recipe, model, tokenizer, settings, gpu)
-    url = url_of(settings)
-    info: dict[str, object] = {
-        "url": url,
-        "command": command,
-        "env": env,
-        "set": set_line([url]),
-        "log": str(run.path / "serve" / f"server-{settings.port}.log"),
-    }
+    run, url = RunDir.for_recipe(recipe), url_of(settings)
+    info: dict[str, object] = {"url": url}
+    if settings.model is None:
+        model, tokenizer = serving_base(recipe, run)
+        command, env = serve_command(recipe, model, tokenizer, settings, gpu)
+        info.update(role="policy", set=set_line([url]))
+    else:
+        folder = judge_folder(settings.model)
+        command, env = judge_command(recipe, folder, settings.model, settings, gpu)
+        info.update(role="judge", model=settings.model, set=judge_set_line(url, settings.model))
+    log = run.path / "serve" / f"server-{settings.port}.log"
+    info.update(command=command, env=env, log=str(log))
     atomic_write_json(run.path / "serve" / f"server-{settings.port}.json", info)
     return info
 
