@@ -400,6 +400,23 @@ def ppo(
 
 @app.command(cls=_Command)
 @_exit_on_errors
+def dpo(
+    recipe: RecipeOpt = None,
+    sets: SetOpt = None,
+    resume: ResumeOpt = False,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
+    """Instead of reward model and PPO: DPO from the SFT policy on the preference pairs (TRL
+    DPOTrainer, `dpo.loss_type`); the reference's log-probs computed once and kept."""
+    from rlhf_cli.stages.dpo import run_dpo
+
+    _stage(functools.partial(run_dpo, resume=resume), "dpo", recipe, as_json, quiet, runs_dir, sets)
+
+
+@app.command(cls=_Command)
+@_exit_on_errors
 def audit(
     checkpoint: Annotated[
         Path | None,

@@ -32,6 +32,7 @@ STAGE_COMMANDS = {
     "sft": "rlhf sft",
     "rm": "rlhf train-rm",
     "ppo": "rlhf ppo",
+    "dpo": "rlhf dpo",
     "audit": "rlhf audit",
     "eval": "rlhf eval",
     "merged": "rlhf merge",

@@ -6,12 +6,13 @@ shared sections (`run`, `model`, `data`) plus its own.
 
 The package, by job: `names` (the names other layers act on, declared once), `base` (the strict
 section, the described field, paths), one module per group of sections (`model`, `data`,
-`training`, `ppo`, `schema` with the whole `Recipe`), `load` (YAML and `--set`), `errors` (one
-line per problem), `docs` (the reference page).
+`training`, `ppo`, `dpo`, `schema` with the whole `Recipe`), `load` (YAML and `--set`), `errors`
+(one line per problem), `docs` (the reference page).
 """
 
 from rlhf_cli.recipe.data import DataSection, DataSource, PromptSource, SourceSpec, StageSource
 from rlhf_cli.recipe.docs import DATA_LAYOUTS, schema_markdown
+from rlhf_cli.recipe.dpo import DPO_LOSSES, DpoSection
 from rlhf_cli.recipe.eval import (
     BenchmarksSection,
     ChecksSection,
@@ -29,12 +30,14 @@ from rlhf_cli.recipe.training import RewardFunctionSpec, RewardSection, SftSecti
 __all__ = [
     "BUILTIN_PREFIX",
     "DATA_LAYOUTS",
+    "DPO_LOSSES",
     "ESTIMATORS",
     "AuditSection",
     "BenchmarksSection",
     "ChecksSection",
     "DataSection",
     "DataSource",
+    "DpoSection",
     "EvalJudgeSection",
     "EvalSection",
     "GateSection",

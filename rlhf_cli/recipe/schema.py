@@ -17,6 +17,7 @@ from pydantic import (
 from rlhf_cli.guide import GUIDE_AUDIT_PROMPTS, GUIDE_SYCOPHANTIC_OPENERS
 from rlhf_cli.recipe.base import Section, described, resolve_local
 from rlhf_cli.recipe.data import DataSection
+from rlhf_cli.recipe.dpo import DpoSection
 from rlhf_cli.recipe.eval import EvalSection
 from rlhf_cli.recipe.model import ModelSection, RunSection
 from rlhf_cli.recipe.names import VLLM_BACKENDS
@@ -157,6 +158,9 @@ class Recipe(Section):
     sft: SftSection = described(SftSection(), "Supervised fine-tuning.")
     reward: RewardSection = described(..., "Reward model: trained here or frozen pretrained.")
     ppo: PpoSection = described(PpoSection(), "PPO alignment.")
+    dpo: DpoSection = described(
+        DpoSection(), "Offline preference optimisation (`rlhf dpo`): DPO and its losses."
+    )
     audit: AuditSection = described(AuditSection(), "Reward-hacking audit.")
     merge: MergeSection = described(MergeSection(), "Merging LoRA into the base.")
     push: PushSection = described(PushSection(), "Publishing to the hub.")

@@ -28,8 +28,9 @@ MEMORY_METRICS = (
     "planned_peak_bytes",
 )
 # the stages in pipeline order; `rlhf eval` is a yardstick the recipe may not ask for, shown
-# apart (`eval_results`), never the command to type next
-PIPELINE = tuple(stage for stage in STAGE_COMMANDS if stage != "eval")
+# apart (`eval_results`), never the command to type next; `rlhf dpo` is another path than
+# train-rm and ppo, not a step after them (not shown yet: #52 item 3)
+PIPELINE = tuple(stage for stage in STAGE_COMMANDS if stage not in ("eval", "dpo"))
 
 
 def stage_row(run: RunDir, stage: str) -> dict[str, Any]:
