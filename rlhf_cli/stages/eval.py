@@ -389,7 +389,10 @@ def benchmark(
 ) -> tuple[dict[str, dict], dict[str, Any] | None]:
     """The policy's benchmark scores on its whole weights: a LoRA policy merged in memory, in
     place (it is the model's last use: no second copy), checked against the adapter model's
-    logits as `rlhf merge` checks; the check's figures (None without an adapter)."""
+    logits as `rlhf merge` checks; the check's figures (None without an adapter). With
+    `eval.generation.backend: vllm` the tasks run on a colocated vLLM engine built from those
+    merged weights, for the model's whole context (the answers' engine, sized for
+    `eval.generation`, is let go first: one engine at a time); otherwise on the HF model."""
     from rlhf_cli.evals.benchmarks import run_benchmarks
 
     model, tokenizer = loaded(target, device)
@@ -400,9 +403,22 @@ def benchmark(
         model, check, problem = merge_and_cast(model, ids, mask, dtype, recipe.merge.atol)
         if problem is not None:
             raise MergeMismatch(f"rlhf eval: {target.label}: {problem}; no benchmark was run")
-        target.loaded, target.engine = (model, tokenizer), None  # the engine answered as before
+        target.loaded = (model, tokenizer)
+    target.engine = engine = None  # the answers' engine has answered
+    gc.collect()
+    gen = recipe.eval.generation
+    if gen.backend == "vllm":
+        from rlhf_cli.generation import generator_for
+        from rlhf_cli.model_checks import model_context
+        from rlhf_cli.modeling import resolve_dtype
+
+        context = model_context(model) or tokenizer.model_max_length
+        engine = generator_for(model, tokenizer, gen, max_len=context, seed=recipe.run.seed,
+                               scratch=RunDir.for_recipe(recipe).path,
+                               dtype=resolve_dtype(recipe.model.dtype, device))  # fmt: skip
     chat = recipe.model.prompt_format == "chat"
-    return run_benchmarks(recipe.eval.benchmarks, model, tokenizer, chat), check  # type: ignore[arg-type]
+    cfg = recipe.eval.benchmarks
+    return run_benchmarks(cfg, model, tokenizer, chat, engine), check  # type: ignore[arg-type]
 
 
 # ── a policy against the baseline ─────────────────────────────────────────────────────────────

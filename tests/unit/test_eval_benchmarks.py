@@ -155,6 +155,7 @@ def test_lm_eval_scores_equal_a_hand_count(policy, hand, chdir_tmp, chat) -> Non
         "stderr": pytest.approx(math.sqrt(hits / 30 * (1 - hits / 30) / 29)),
         "higher_is_better": True,
         "chat_template": chat,
+        "backend": "hf",
         "n": 30,
     }
 
