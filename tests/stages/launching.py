@@ -1,6 +1,7 @@
 """Launching `rlhf ppo` on two gloo processes as users launch it, and comparing its numbers with
 a one-process run: what the sharded-engine tests and the vLLM tests share (see
-test_sharded_ppo.py for the tolerance)."""
+test_sharded_ppo.py for the tolerance); and `rlhf serve` as users start it (the vLLM server
+tests)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +61,42 @@ COMPARED = [
     "ppo/optimizer_steps",
 ]
 AUDITED = ["audit/verbosity_score", "audit/repetition_score", "audit/avg_response_len"]
+READY_S = 300  # `rlhf serve`'s longest start (~25 s on 2 cores: imports)
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextmanager
+def rlhf_serve(
+    recipe_file: Path, port: int, *extra: str, ready: str = "rlhf ppo --set"
+) -> Iterator[str]:
+    """`rlhf serve` for the recipe (and `extra` options, e.g. `--model JUDGE`), in this
+    interpreter's environment; yields its URL once it prints the line that starts with
+    `ready`; SIGTERM stops it as Ctrl-C does (SIGINT is ignored in a background job, as this
+    suite may be in CI)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rlhf_cli.cli", "serve", "--recipe", str(recipe_file),
+         "--port", str(port), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + READY_S
+        for line in process.stdout:  # type: ignore[union-attr]
+            if line.startswith(ready):
+                break
+            assert time.monotonic() < deadline, "rlhf serve did not answer"
+        else:
+            raise AssertionError(f"rlhf serve exited: {process.stderr.read()}")  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}"
+        assert url in line
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 130  # as Ctrl-C: the server stopped, then the exit code
 
 
 def launch(engine: str, folder: Path, *extra: str, module: str = "rlhf_cli.cli") -> RunDir:

@@ -13,17 +13,13 @@ Each server takes ~25 s to start on 2 cores (imports)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
-from launching import free_port
+from launching import free_port, rlhf_serve
 from rich.console import Console
 
 from rlhf_cli.generation import generator_for, tokenize_prompts
@@ -36,33 +32,6 @@ pytest.importorskip(
 )
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 QUIET = Console(stderr=True, quiet=True)
-READY_S = 300
-
-
-@contextmanager
-def rlhf_serve(recipe_file: Path, port: int) -> Iterator[str]:
-    """`rlhf serve` for the recipe, in this interpreter's environment; yields its URL once it
-    prints the --set line; SIGTERM stops it as Ctrl-C does (SIGINT is ignored in a background
-    job, as this suite may be in CI)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rlhf_cli.cli", "serve", "--recipe", str(recipe_file),
-         "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + READY_S
-        for line in process.stdout:  # type: ignore[union-attr]
-            if line.startswith("rlhf ppo --set"):
-                break
-            assert time.monotonic() < deadline, "rlhf serve did not answer"
-        else:
-            raise AssertionError(f"rlhf serve exited: {process.stderr.read()}")  # type: ignore[union-attr]
-        url = f"http://127.0.0.1:{port}"
-        assert url in line
-        yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(60) == 130  # as Ctrl-C: the server stopped, then the exit code
 
 
 def _server_gen(url: str, **overrides: object) -> dict:
