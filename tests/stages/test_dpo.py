@@ -115,21 +115,32 @@ def test_dpo_trains_and_a_rerun_reuses_the_reference_log_probs(
     assert rerun["metrics"]["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-6)
 
 
-def test_changed_pairs_compute_the_reference_log_probs_again(
+def test_changed_pairs_or_sft_compute_the_reference_log_probs_again(
     run_copy: Path, reference_forwards: list[int], tmp_path: Path
 ) -> None:
-    assert dpo(run_copy).exit_code == 0
+    def reference_splits(*sets: str) -> dict[str, str]:
+        reference_forwards.clear()
+        result = dpo(run_copy, *sets)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["reference"]["splits"]
+
+    assert reference_splits() == {"train": "computed", "eval": "computed"}
     pairs = tmp_path / "pairs.jsonl"
     source = load_recipe(run_copy).data.preferences.path
     rows = [json.loads(line) for line in Path(source).read_text().splitlines() if line.strip()]
     rows[0]["chosen"] = rows[0]["chosen"] + " Thank you for asking."  # one answer changed
     pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    changed = f"data.preferences.path={pairs}"
+    assert "computed" in reference_splits(changed).values()
+    assert sum(reference_forwards) > 0
 
-    reference_forwards.clear()
-    result = dpo(run_copy, f"data.preferences.path={pairs}")
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["reference"]["splits"]["train"] == "computed"
-    assert sum(reference_forwards) >= 2 * 80
+    # the same pairs on an SFT model made again (its manifest names another attempt)
+    assert reference_splits(changed) == {"train": "reused", "eval": "reused"}
+    sft_manifest = tmp_path / "runs" / "tiny" / "sft" / "manifest.json"
+    made = json.loads(sft_manifest.read_text())
+    sft_manifest.write_text(json.dumps({**made, "finished_at": "2030-01-01T00:00:00+00:00"}))
+    assert reference_splits(changed) == {"train": "computed", "eval": "computed"}
+    assert sum(reference_forwards) > 0
 
 
 def test_dpo_refuses_unpaired_rows_naming_their_layout(run_copy: Path, tmp_path: Path) -> None:
