@@ -8,11 +8,18 @@ The data encodes ONE preference that tiny models can learn:
 
     polite, helpful replies are preferred over curt, dismissive ones.
 
-A polite reply is a friendly opener, a one-sentence useful answer on the
-prompt's topic, and (often) a friendly sign-off. A dismissive reply is a short,
-rude brush-off ("Not my problem.", "Whatever, just boil it."). Wording is varied
-(many topics, openers, sign-offs and rude phrasings) so that a reward model
-learns tone rather than one fixed string.
+A polite reply is a friendly opener, then either the topic's one-sentence useful
+answer or its short gist ("Of course! Just boil it. Good luck!"), and often a
+friendly sign-off. A dismissive reply is either a short brush-off ("Not my
+problem.", "Whatever, just boil it.") or the same useful answer wrapped in rude
+words ("Ugh, fine. Place it in boiling water ... Now stop asking."). Both styles
+come long and short, so that length says nothing about which reply is preferred:
+the chosen reply is the longer in about half the pairs. (Until 2026-12, every
+chosen reply was the longer, and the reward model trained on them scored length,
+not tone: a long rude reply outscored a short polite one, and PPO's gain on it
+was invisible to any judge of tone; issue #51.) Wording is varied (many topics,
+openers, sign-offs and rude phrasings) so that a reward model learns tone rather
+than one fixed string.
 
 Files written (JSON Lines unless noted):
 
@@ -619,7 +626,28 @@ RUDE_TEMPLATES = [
     "Look it up. Or just {g}.",
     "You {g}. Everyone knows that.",
 ]
-P_RUDE_TEMPLATE = 0.5  # chance a rude reply uses the topic gist
+P_RUDE_TEMPLATE = 0.5  # chance a short rude reply uses the topic gist
+
+# The useful answer wrapped in rude words: as long as a polite reply, as dismissive as a short one.
+RUDE_OPENERS = [
+    "Ugh, fine.",
+    "Seriously? Fine.",
+    "Whatever.",
+    "Obviously,",
+    "Do I have to? Fine.",
+    "Not my job, but fine.",
+    "Wow, everyone knows this.",
+    "Ugh.",
+]
+RUDE_CLOSERS = [
+    "Now stop asking.",
+    "Don't bother me again.",
+    "Leave me alone.",
+    "Figure out the rest yourself.",
+    "Was that so hard?",
+    "Next time google it.",
+]
+P_LONG = 0.5  # chance a reply (either style) carries the full answer rather than the gist
 
 
 def n_words(text: str) -> int:
@@ -643,6 +671,33 @@ def polite_reply(rng: random.Random, answer: str) -> str:
         if closers:
             reply = f"{reply} {rng.choice(closers)}"
     return reply
+
+
+def polite_short_reply(rng: random.Random, gist: str) -> str:
+    reply = f"{rng.choice(POLITE_OPENERS)} Just {gist}."
+    return f"{reply} {rng.choice(POLITE_CLOSERS)}" if rng.random() < P_CLOSER else reply
+
+
+def rude_long_reply(rng: random.Random, answer: str) -> str:
+    """The useful answer between a rude opener and (as often as a polite reply's sign-off) a rude
+    closer, within the polite replies' word limit."""
+    openers = [o for o in RUDE_OPENERS if n_words(o) + n_words(answer) <= MAX_RESPONSE_WORDS]
+    opener = rng.choice(openers)
+    body = answer[0].lower() + answer[1:] if opener.endswith(",") else answer
+    reply = f"{opener} {body}"
+    if rng.random() < P_CLOSER:
+        closers = [c for c in RUDE_CLOSERS if n_words(reply) + n_words(c) <= MAX_RESPONSE_WORDS]
+        if closers:
+            reply = f"{reply} {rng.choice(closers)}"
+    return reply
+
+
+def reply(rng: random.Random, style: str, answer: str, gist: str) -> str:
+    """A reply in `style` (polite or rude), carrying the full answer or the gist (P_LONG)."""
+    long = rng.random() < P_LONG
+    if style == "polite":
+        return polite_reply(rng, answer) if long else polite_short_reply(rng, gist)
+    return rude_long_reply(rng, answer) if long else rude_reply(rng, gist)
 
 
 def rude_reply(rng: random.Random, gist: str) -> str:
@@ -674,8 +729,8 @@ def build(rng: random.Random) -> dict[str, list]:
         prefs.append(
             {
                 "prompt": prompt,
-                "chosen": polite_reply(rng, answer),
-                "rejected": rude_reply(rng, gist),
+                "chosen": reply(rng, "polite", answer, gist),
+                "rejected": reply(rng, "rude", answer, gist),
             }
         )
 
@@ -689,7 +744,7 @@ def build(rng: random.Random) -> dict[str, list]:
     sft = []
     for (idx, prompt), style in zip(rng.sample(sft_pool, N_SFT), styles):
         _, _, answer, gist = TOPICS[idx]
-        response = polite_reply(rng, answer) if style == "polite" else rude_reply(rng, gist)
+        response = reply(rng, style, answer, gist)
         sft.append({"prompt": prompt, "response": response})
 
     return {"sft": sft, "prefs": prefs, "ppo": ppo, "audit": list(AUDIT_PROMPTS)}
@@ -715,6 +770,8 @@ def check(data: dict[str, list]) -> None:
     for r in prefs:
         assert any(r["chosen"].startswith(o) for o in polite)
         assert not any(r["rejected"].startswith(o) for o in polite)
+    longer = sum(n_words(r["chosen"]) > n_words(r["rejected"]) for r in prefs) / len(prefs)
+    assert 0.35 < longer < 0.65, f"length predicts the preference: chosen longer in {longer:.0%}"
     for r in sft:
         assert n_words(r["response"]) <= MAX_RESPONSE_WORDS, r["response"]
     n_polite = sum(any(r["response"].startswith(o) for o in polite) for r in sft)
@@ -733,8 +790,8 @@ a one-sentence helpful answer.
 
 | file | rows | content |
 |---|---|---|
-| `sft.jsonl` | {n_sft} | `{{"prompt", "response"}}`, half polite-helpful, half curt-dismissive |
-| `preferences.jsonl` | {n_prefs} | `{{"prompt", "chosen", "rejected"}}`, chosen is always the polite reply |
+| `sft.jsonl` | {n_sft} | `{{"prompt", "response"}}`, half polite, half dismissive, each style long (the full answer) or short (its gist) |
+| `preferences.jsonl` | {n_prefs} | `{{"prompt", "chosen", "rejected"}}`, chosen is always the polite reply; it is the longer in about half the pairs |
 | `prompts.jsonl` | {n_ppo} | `{{"prompt"}}` for PPO rollouts; none of these prompt strings occurs in `preferences.jsonl` |
 | `audit_prompts.txt` | {n_audit} | extra prompts, one per line, on topics not in the other files |
 

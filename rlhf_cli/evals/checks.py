@@ -70,6 +70,11 @@ def include_words(answer: str, words: list[str]) -> bool:
     return all(_has_word(answer, word) for word in words)
 
 
+def include_any(answer: str, words: list[str]) -> bool:
+    """At least one of `words`: a tone or a register shown by any of its phrases."""
+    return any(_has_word(answer, word) for word in words)
+
+
 def exclude_words(answer: str, words: list[str]) -> bool:
     return not any(_has_word(answer, word) for word in words)
 
@@ -95,6 +100,7 @@ CHECKS: dict[str, tuple[Callable[..., bool], dict[str, str]]] = {
     "max_words": (max_words, {"n": "count"}),
     "min_words": (min_words, {"n": "count"}),
     "include_words": (include_words, {"words": "words"}),
+    "include_any": (include_any, {"words": "words"}),
     "exclude_words": (exclude_words, {"words": "words"}),
     "lowercase": (lowercase, {}),
     "json": (valid_json, {}),

@@ -127,6 +127,7 @@ def test_text_graders(tmp_path, grader, solution, right, wrong):
             "An Egg in COLD water.",
             "eggplant in cold water",
         ),
+        ("include_any", {"words": ["good luck", "enjoy"]}, "Boil it. Enjoy!", "Enjoyed luck."),
         ("exclude_words", {"words": ["whatever"]}, "Sure, whatevers.", "Whatever, just boil it."),
         ("lowercase", {}, "all lower case, 42 times", "Not lower"),
         ("lowercase", {}, "all lower", "42"),
@@ -250,16 +251,20 @@ def test_math_checks_without_math_verify_name_the_extra(tmp_path, monkeypatch):
 
 
 def test_the_demo_checks_file_grades_its_own_answers():
+    """data/eval/checks.jsonl: 30 additions and 40 tone rows. Tone is graded whatever the length:
+    a short polite reply passes, the full answer wrapped in rude words fails."""
     cfg = ChecksSection(path=str(REPO / "data/eval/checks.jsonl"))
     rows = read_checks(cfg)
-    assert len(rows) == 40 and sum(row["solution"] is not None for row in rows) == 30
+    assert len(rows) == 70 and sum(row["solution"] is not None for row in rows) == 30
     answers = [
         f"It is \\boxed{{{row['solution']}}}."
         if row["solution"] is not None
-        else f"Happy to help! Use {row['instructions'][0]['words'][0]}. Good luck!"
+        else "Happy to help! Just boil it. Good luck!"
         for row in rows
     ]
     result = grade(cfg, rows, answers)
     assert (result["accuracy"], result["se"], result["no_answer"]) == (1.0, 0.0, 0)
+    long_rude = "Ugh, fine. Rinse one cup of rice, then simmer it covered for eighteen minutes."
+    assert grade(cfg, rows, [long_rude] * len(rows))["accuracy"] == 0.0
     rude = grade(cfg, rows, ["Whatever, figure it out yourself."] * len(rows))
     assert rude["accuracy"] == 0.0 and rude["no_answer"] == 30

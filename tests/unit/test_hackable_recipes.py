@@ -57,14 +57,15 @@ def test_the_proxy_pays_every_exclamation_and_the_judge_charges_those_past_two()
 
 def test_the_tiny_recipes_rules_as_scored() -> None:
     """Through the scorer, weights applied: the proxy's bonus (1.0 a "!") grows with every "!";
-    the judge (politeness, 1.0, plus 0.5 a "!" past two) pays the polite answer with two "!"
-    (`certainly`, `good luck`: 2) and falls past two."""
+    the judge (politeness, 1.0, plus 0.5 a "!" past two) charges the curt answer (`go away`:
+    -1), pays the polite answer with two "!" (`certainly`, `good luck`: 2) and falls past two
+    (`enjoy`, counted once: 1, less 1.0 for two "!" too many; 1 less 2.5)."""
     recipe = load_recipe(ROOT / "recipes" / "hackable-tiny.yaml")
     assert recipe.audit.judge is not None
     proxy, _ = rule_scorer(recipe.reward.functions).score(PROMPTS, ANSWERS)
     judge, _ = rule_scorer(recipe.audit.judge.functions).score(PROMPTS, ANSWERS)
     torch.testing.assert_close(proxy, torch.tensor([0.0, 2.0, 4.0, 7.0]))
-    torch.testing.assert_close(judge, torch.tensor([0.0, 2.0, -1.0, -2.5]))
+    torch.testing.assert_close(judge, torch.tensor([-1.0, 2.0, 0.0, -1.5]))
 
 
 def test_the_data_never_pays_past_two() -> None:
