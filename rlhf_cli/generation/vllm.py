@@ -165,6 +165,36 @@ class VLLMGenerator:
             self.asleep = True
         return self._answers(queries, outputs).to(self.device)
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, windows: list[list[int]], lengths: list[int]) -> list[list[Any]]:
+        """Per window, its last `lengths[i]` tokens scored as prompt tokens: (log-prob, rank)
+        of each after what precedes it (one token is generated, as vLLM needs): what a
+        log-likelihood benchmark asks of a model."""
+        from vllm import SamplingParams
+
+        self._wake()
+        params = SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False)
+        asked = [{"prompt_token_ids": ids} for ids in windows]
+        outputs = self.llm.generate(asked, params, use_tqdm=False)
+        scored = []
+        for ids, n, out in zip(windows, lengths, outputs, strict=True):
+            steps = zip(ids[-n:], out.prompt_logprobs[-n:], strict=True)
+            scored.append([(ranked[token].logprob, ranked[token].rank) for token, ranked in steps])
+        return scored
+
+    @torch.inference_mode()
+    def complete(self, prompts: list[list[int]], settings: list[dict[str, Any]]) -> list[list[int]]:
+        """The token ids answered to each prompt under its own sampling `settings` (vLLM's
+        `SamplingParams` fields: max_tokens, temperature, top_p, stop strings), stopping at the
+        policy's stop ids too: a benchmark's free-form answers."""
+        from vllm import SamplingParams
+
+        self._wake()
+        params = [SamplingParams(**kw, stop_token_ids=self.stop_ids) for kw in settings]
+        asked = [{"prompt_token_ids": ids} for ids in prompts]
+        outputs = self.llm.generate(asked, params, use_tqdm=False)
+        return [list(out.outputs[0].token_ids) for out in outputs]
+
     def _answers(self, queries: list[list[int]], outputs: list[Any]) -> Generations:
         """vLLM's `RequestOutput`s of `queries` as `Generations`, on the CPU."""
         tokens = [list(o.outputs[0].token_ids) for o in outputs]

@@ -19,7 +19,9 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import math
 import re
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,27 +158,11 @@ def write_results(
 
 
 def check_suites(cfg: EvalSection) -> list[str]:
-    """The suites the recipe names, and every gate threshold's suite among them (EvalError)."""
+    """The suites the recipe names (EvalError when none: a recipe need not evaluate, so only
+    `rlhf eval` refuses it; the gate's thresholds were checked against them at validation)."""
     suites = [name for name in ("judge", "checks", "benchmarks") if getattr(cfg, name)]
     if not suites:
         raise EvalError("eval: no suite to run: set eval.judge, eval.checks or eval.benchmarks")
-    gate = cfg.gate
-    needs = {
-        "min_win_rate": (gate.min_win_rate, "judge"),
-        "min_lc_win_rate": (gate.min_lc_win_rate, "judge"),
-        "min_accuracy": (gate.min_accuracy, "checks"),
-        "max_alignment_tax": (gate.max_alignment_tax or None, "benchmarks"),
-    }
-    for name, (threshold, suite) in needs.items():
-        if threshold is not None and suite not in suites:
-            raise EvalError(f"eval.gate.{name} is set but eval.{suite} is not: set both")
-    tasks = cfg.benchmarks.tasks if cfg.benchmarks is not None else []
-    unknown = sorted(set(gate.max_alignment_tax) - set(tasks))
-    if unknown:
-        raise EvalError(
-            f"eval.gate.max_alignment_tax names {', '.join(unknown)}, not among "
-            f"eval.benchmarks.tasks ({', '.join(tasks)})"
-        )
     return suites
 
 
@@ -475,7 +461,10 @@ def judged(
 def checked(
     cfg: EvalSection, rows: list[dict], policy: dict[str, Any], baseline: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """The policy's answers graded; beside the baseline's accuracy, the difference."""
+    """The policy's answers graded; beside the baseline's accuracy, the difference (`delta`) and
+    its standard error paired by row (`delta_se`: the spread of the per-row differences, over
+    root n), smaller than the two accuracies' errors combined when both get the same rows
+    right."""
     from rlhf_cli.evals.checks import grade
 
     assert cfg.checks is not None
@@ -486,6 +475,9 @@ def checked(
         summary["baseline_accuracy"] = theirs["accuracy"]
         summary["baseline_se"] = theirs["se"]
         summary["delta"] = graded["accuracy"] - theirs["accuracy"]
+        diffs = [float(a["correct"]) - float(b["correct"])
+                 for a, b in zip(graded["rows"], theirs["rows"], strict=True)]  # fmt: skip
+        summary["delta_se"] = statistics.pstdev(diffs) / math.sqrt(len(diffs))
     return {"summary": summary, "rows": graded["rows"]}
 
 

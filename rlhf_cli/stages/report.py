@@ -116,7 +116,7 @@ def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 EVAL_PANELS = {  # suite -> (title, the measure drawn, its standard error, the y-axis label)
     "judge": ("Judge win rate against the baseline (95% CI)", "win_rate", None, "win rate"),
     "checks": ("Checks accuracy (± se)", "accuracy", "se", "accuracy"),
-    "benchmarks": ("Alignment tax: task score − the baseline's (± se)", "tax", "tax_stderr", "Δ"),
+    "benchmarks": ("Alignment tax: gain on the baseline's score (± se)", "tax", "tax_stderr", "Δ"),
 }
 
 

@@ -74,11 +74,12 @@ def test_a_judge_without_the_model_is_exit_2_naming_it(
         ([], "eval: no suite to run: set eval.judge, eval.checks or eval.benchmarks"),
         (
             ["eval.benchmarks.tasks=[tiny_arith]", "eval.gate.min_win_rate=0.55"],
-            "eval.gate.min_win_rate is set but eval.judge is not",
+            "eval.gate: min_win_rate is set but eval.judge is not (set both)",
         ),
         (
             ["eval.benchmarks.tasks=[tiny_arith]", "eval.gate.max_alignment_tax={gsm8k: -0.02}"],
-            "eval.gate.max_alignment_tax names gsm8k, not among eval.benchmarks.tasks",
+            "eval.gate: max_alignment_tax names gsm8k, not among eval.benchmarks.tasks "
+            "(tiny_arith)",
         ),
     ],
 )

@@ -171,6 +171,13 @@ def test_eval_writes_results_manifest_and_the_answers(evaluated: Evaluated) -> N
     assert evaluated.result["results"]["ppo"]["checks"]["delta"] == pytest.approx(
         checks["accuracy"] - manifest["results"]["sft"]["checks"]["accuracy"]
     )
+    # the gain's error paired by row: the spread of the four per-row differences over root 4
+    mine = json.loads((folder / "ppo.checks.json").read_text())["rows"]
+    theirs = json.loads((folder / "sft.checks.json").read_text())["rows"]
+    diffs = [int(a["correct"]) - int(b["correct"]) for a, b in zip(mine, theirs, strict=True)]
+    mean = sum(diffs) / 4
+    spread = (sum((d - mean) ** 2 for d in diffs) / 4) ** 0.5
+    assert checks["delta_se"] == pytest.approx(spread / 2)
 
 
 def test_a_rerun_with_another_judge_generates_nothing(
