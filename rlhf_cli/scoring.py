@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,6 +19,23 @@ from rlhf_cli.model_checks import check_context, check_vocab
 from rlhf_cli.rewards import RewardFn, call_reward_function
 
 Features = dict[str, list[list[int]]]  # `input_ids`, and `token_type_ids` where encoded as pairs
+
+
+class Scores(NamedTuple):
+    """`RewardScorer.scored`'s answer."""
+
+    rewards: torch.Tensor  # (n,) float32, on the CPU
+    n_truncated: int  # reward-model inputs cut to `max_length`
+    metrics: dict[str, float]  # what the reward functions counted, `reward/<name>`
+
+
+def completion_ids(answers: Any) -> list[list[int]]:
+    """Each response's token ids, its padding left out (`Generations`' `response_ids` under
+    `response_mask`): the reward functions' `completion_ids`, as TRL gives them."""
+    return [
+        ids[mask].tolist()
+        for ids, mask in zip(answers.response_ids, answers.response_mask.bool(), strict=True)
+    ]
 
 
 def pair_input(tokenizer: Any) -> str:
@@ -159,16 +176,32 @@ class RewardScorer:
         keys = ("input_ids", "token_type_ids") if self.input == "pair" else ("input_ids",)
         return {key: out[key] for key in keys if key in out}
 
+    def score(
+        self, prompts: list[str], responses: list[str], keywords: dict[str, Any] | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """Rewards (n,) float32 on the CPU, and the number of truncated reward-model inputs;
+        `keywords` as `scored` takes them."""
+        scores = self.scored(prompts, responses, keywords)
+        return scores.rewards, scores.n_truncated
+
     @torch.inference_mode()
-    def score(self, prompts: list[str], responses: list[str]) -> tuple[torch.Tensor, int]:
-        """Rewards (n,) float32 on the CPU, and the number of truncated reward-model inputs."""
+    def scored(
+        self, prompts: list[str], responses: list[str], keywords: dict[str, Any] | None = None
+    ) -> Scores:
+        """Rewards (n,) float32 on the CPU, the number of truncated reward-model inputs, and
+        what the reward functions counted (`reward/no_answer_rate`, ...). `keywords` go to the
+        functions that accept them (rewards.py): the rows' extra columns, `completion_ids` and
+        `step`."""
         if self.model is None:
             total, n_truncated = torch.zeros(len(responses)), 0
         else:
             total, n_truncated = self.model_scores(prompts, responses)
+        metrics: dict[str, float] = {}
         for spec, fn, weight in self.functions:
-            total = total + weight * call_reward_function(spec, fn, prompts, responses)
-        return total, n_truncated
+            rewards, counted = call_reward_function(spec, fn, prompts, responses, keywords)
+            total = total + weight * rewards
+            metrics.update({f"reward/{key}": value for key, value in counted.items()})
+        return Scores(total, n_truncated, metrics)
 
     def model_scores(self, prompts: list[str], responses: list[str]) -> tuple[torch.Tensor, int]:
         """The reward model's scores (n,) float32 on the CPU, and the number of truncated inputs.

@@ -21,7 +21,7 @@ from rlhf_cli.generation import (
 )
 from rlhf_cli.modeling import Reference
 from rlhf_cli.recipe import AuditSection, GenerationSection
-from rlhf_cli.scoring import RewardScorer
+from rlhf_cli.scoring import RewardScorer, completion_ids
 
 
 def sample_answers(
@@ -76,6 +76,8 @@ def audit_policy(
     reference_responses: list[str] | None = None,
     batch_size: int = 16,
     judge: RewardScorer | None = None,
+    keywords: dict[str, list[Any]] | None = None,
+    step: int | None = None,
 ) -> dict[str, Any]:
     """The guide's audit report on `cfg.samples` responses per prompt; with the reference, the
     policy's KL to it and its answers' length against the reference's; with a reward model too,
@@ -83,7 +85,9 @@ def audit_policy(
     (`score_answers`). `generator` (the recipe's backend, `generation.generator_for`) samples,
     synced to the policy, then to the reference. Each answer samples from its own seed, derived
     from `seed`, so the frozen reference's answers (in each sample's `reference`) are the same
-    every audit of a run: passed back as `reference_responses`, they are not sampled again."""
+    every audit of a run: passed back as `reference_responses`, they are not sampled again.
+    The reward functions get `keywords` (each prompt's extra columns, repeated for its
+    samples), `step` when given, and each answer's `completion_ids`."""
     was_training = model.training
     model.eval()
     asked = [p for p in prompts for _ in range(cfg.samples)]
@@ -91,7 +95,7 @@ def audit_policy(
     policy = generator.sync(model)
     batches = sample_answers(generator, queries, cfg.generation, batch_size, seed, policy)
     responses = [text for answers in batches for text in answers.texts]
-    ref_responses, measured = None, {}
+    ref_responses, ref_ids, measured = None, None, {}
     if reference is not None:
         measured["kl_to_reference"] = kl_to_reference(model, reference, batches, cfg.generation)
         ref_responses = reference_responses
@@ -102,9 +106,20 @@ def audit_policy(
                     generator, queries, cfg.generation, batch_size, seed, ref_policy
                 )
             ref_responses = [text for answers in ref_batches for text in answers.texts]
+            ref_ids = [ids for answers in ref_batches for ids in completion_ids(answers)]
+        if ref_ids is None:  # kept from an earlier audit as text
+            ref_ids = tokenizer(ref_responses, add_special_tokens=False)["input_ids"]
     report = audit_responses(responses, cfg, ref_responses)
     report.update(measured)
-    per_sample = score_answers(report, asked, (responses, ref_responses), scorer, judge)
+    rows = {
+        k: [v for v in values for _ in range(cfg.samples)] for k, values in (keywords or {}).items()
+    }
+    rows = {**rows, **({} if step is None else {"step": step})}
+    given = (
+        {**rows, "completion_ids": [ids for a in batches for ids in completion_ids(a)]},
+        None if ref_ids is None else {**rows, "completion_ids": ref_ids},
+    )
+    per_sample = score_answers(report, asked, (responses, ref_responses), scorer, judge, given)
     report["samples"] = [
         {"prompt": p, "response": r} for p, r in zip(asked, responses, strict=True)
     ]
@@ -124,21 +139,23 @@ def score_answers(
     answers: tuple[list[str], list[str] | None],
     scorer: RewardScorer | None,
     judge: RewardScorer | None,
+    keywords: tuple[dict[str, Any], dict[str, Any] | None] = ({}, None),
 ) -> dict[str, list[float]]:
     """Into `report`: the mean reward of the policy's answers and of the reference's (when
     `answers` has them) under the proxy (`reward_*_mean`) and the judge (`judge_*_mean`); with
     both scorers and the reference, their agreement on which answer is better
     (`detectors.judge_agreement`), whose flag joins the report's. Returns each sample's scores
-    (`reward`, `reward_reference`, `judge`, `judge_reference`) when there is a judge."""
+    (`reward`, `reward_reference`, `judge`, `judge_reference`) when there is a judge. The
+    reward functions get `keywords` (the policy's answers', the reference's)."""
     responses, ref_responses = answers
     scores: dict[str, list[float]] = {}
     for name, scoring in (("reward", scorer), ("judge", judge)):
         if scoring is None:
             continue
-        scores[name] = scoring.score(asked, responses)[0].float().tolist()
+        scores[name] = scoring.score(asked, responses, keywords[0])[0].float().tolist()
         report[f"{name}_policy_mean"] = sum(scores[name]) / len(scores[name])
         if ref_responses is not None:
-            ref = scoring.score(asked, ref_responses)[0].float().tolist()
+            ref = scoring.score(asked, ref_responses, keywords[1])[0].float().tolist()
             scores[f"{name}_reference"] = ref
             report[f"{name}_reference_mean"] = sum(ref) / len(ref)
     if judge is None:
@@ -217,25 +234,33 @@ def heldout_eval(
     judge: RewardScorer | None = None,
     reference_scores: ReferenceScores | None = None,
     batch_size: int = 16,
+    keywords: dict[str, list[Any]] | None = None,
+    step: int | None = None,
 ) -> tuple[dict[str, float], ReferenceScores]:
     """The policy's answers to held-out `prompts` (each row seeded) scored by the reward model
     (and the judge) against the reference's answers to the same prompts from the same seeds:
     `eval/*` metrics, and the reference's scores (pass them back in: the reference does not
-    change)."""
+    change). The reward functions get `keywords` (each prompt's extra columns), `step` when
+    given and the answers' `completion_ids`; what they count is `eval/<name>` (e.g.
+    `eval/no_answer_rate`)."""
     was_training = model.training
     model.eval()
     policy = generator.sync(model)
     batches = sample_answers(generator, queries, gen, batch_size, seed, policy)
     texts = [t for b in batches for t in b.texts]
-    scores = scorer.score(prompts, texts)[0].float()
+    rows = {**(keywords or {}), **({} if step is None else {"step": step})}
+    given = {**rows, "completion_ids": [ids for b in batches for ids in completion_ids(b)]}
+    scored = scorer.scored(prompts, texts, given)
+    scores = scored.rewards.float()
     if reference_scores is None:
         with reference.model() as ref:
             ref_policy = generator.sync(ref)
             ref_batches = sample_answers(generator, queries, gen, batch_size, seed, ref_policy)
         ref_texts = [t for b in ref_batches for t in b.texts]
+        ref_given = {**rows, "completion_ids": [i for b in ref_batches for i in completion_ids(b)]}
         reference_scores = ReferenceScores(
-            scorer.score(prompts, ref_texts)[0].float(),
-            None if judge is None else judge.score(prompts, ref_texts)[0].float(),
+            scorer.score(prompts, ref_texts, ref_given)[0].float(),
+            None if judge is None else judge.score(prompts, ref_texts, ref_given)[0].float(),
         )
     lengths = torch.cat([b.response_mask.sum(1).float() for b in batches])
     metrics = {
@@ -244,9 +269,10 @@ def heldout_eval(
         "eval/win_rate": win_rate(scores, reference_scores.proxy),
         "eval/kl": kl_to_reference(model, reference, batches, gen),
         "eval/length_mean": float(lengths.mean()),
+        **{f"eval/{key.partition('/')[2]}": value for key, value in scored.metrics.items()},
     }
     if judge is not None and reference_scores.judge is not None:
-        judged = judge.score(prompts, texts)[0].float()
+        judged = judge.score(prompts, texts, given)[0].float()
         reference_pair = (reference_scores.proxy, reference_scores.judge)
         metrics.update(judge_metrics((scores, judged), reference_pair))
     model.train(was_training)

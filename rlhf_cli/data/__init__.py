@@ -37,6 +37,7 @@ import json
 import random
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,10 @@ from rlhf_cli.data.rows import (
     as_conversation,
     prompt_text,
 )
-from rlhf_cli.data.sources import copies, json_lines, read_source, read_text, slice_rows
+from rlhf_cli.data.sources import ALIASES, copies, json_lines, read_source, read_text, slice_rows
 from rlhf_cli.errors import DataError
 from rlhf_cli.recipe import AuditSection, PromptSource, StageSource
+from rlhf_cli.recipe.data import COLUMNS
 
 
 def _load(
@@ -91,6 +93,7 @@ def _drop(data: StageData[T], keep: Callable[[T], bool], reason: str) -> None:
     data.items = [data.items[i] for i in kept]
     data.origins = [data.origins[i] for i in kept]
     data.texts = [data.texts[i] for i in kept] if data.texts else []
+    data.columns = [data.columns[i] for i in kept] if data.columns else []
 
 
 def load_sft(
@@ -126,8 +129,13 @@ def load_prompts(
     source: PromptSource, cache_dir: str | Path | None = None, limit: int | None = None
 ) -> StageData[Conversation]:
     """PPO prompts of any layout: each turn cut to `max_chars`, prompts of fewer than
-    `min_words` words (over all turns) dropped."""
-    data = _load(source, "prompts", prompt_of, cache_dir, limit)
+    `min_words` words (over all turns) dropped; each one's extra columns (`extra_columns`) kept
+    in `data.columns` for the reward functions."""
+    rows = _load(
+        source, "prompts", lambda row: (prompt_of(row), extra_columns(row)), cache_dir, limit
+    )
+    data = replace(rows, items=[prompt for prompt, _ in rows.items])
+    data.columns = [columns for _, columns in rows.items]
     data.texts = [prompt_text(p) for p in data.items]  # as the reward data holds them
     cut = 0
     for prompt in data.items:
@@ -147,6 +155,20 @@ def load_prompts(
     if not data.items:
         raise DataError(f"no prompt of '{source.where()}' is left ({_reasons(data)})")
     return data
+
+
+def extra_columns(row: Row) -> dict[str, Any]:
+    """A prompt row's columns beyond the layouts' (ours and their aliases), by name after
+    `columns` renamed them: the keyword arguments of the reward functions (`solution`, ...)."""
+    layout = {*COLUMNS, *(name for names in ALIASES.values() for name in names)}
+    return {name: value for name, value in row.values.items() if name not in layout}
+
+
+def reward_keywords(columns: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Rows' extra columns as the reward functions take them (TRL's convention): one list per
+    column, one value per row; a column a row lacks (a mixture's other source) is None there."""
+    names = dict.fromkeys(name for row in columns for name in row)
+    return {name: [row.get(name) for row in columns] for name in names}
 
 
 def _reasons(data: StageData[Any]) -> str:
@@ -266,6 +288,7 @@ __all__ = [
     "Row",
     "StageData",
     "as_conversation",
+    "extra_columns",
     "audit_prompts",
     "hold_out",
     "load_preferences",
@@ -274,6 +297,7 @@ __all__ = [
     "overlap",
     "prompt_text",
     "read_responses",
+    "reward_keywords",
     "read_source",
     "slice_rows",
     "split_eval",

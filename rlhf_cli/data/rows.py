@@ -71,6 +71,7 @@ class StageData(Generic[T]):
     weights: list[float] = field(default_factory=list)  # per source: its `weight`
     warnings: list[str] = field(default_factory=list)  # for the stage's manifest (`hold_out`)
     texts: list[str] = field(default_factory=list)  # PPO prompts: each one's text before the cut
+    columns: list[dict[str, Any]] = field(default_factory=list)  # PPO prompts: extra columns
 
     def summary(self) -> dict[str, Any]:
         return {"rows_read": self.rows, "kept": len(self.items), "layouts": self.layouts,

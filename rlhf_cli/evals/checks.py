@@ -277,6 +277,17 @@ def _verdicts(
     return out
 
 
+def math_verdicts(golds: list[str], answers: list[str], timeout_s: float) -> list[str]:
+    """`correct`, `wrong`, `no_answer` (math-verify reads nothing in it) or `timeout` for each
+    extracted answer against its gold, in the bounded worker (the built-in reward
+    `builtin:math_accuracy` grades here too). Safe to call from any thread."""
+    _require_math_verify()
+    return _bounded(
+        [["verdict", "math", gold, answer] for gold, answer in zip(golds, answers, strict=True)],
+        timeout_s,
+    )
+
+
 def _plain_verdict(grader: str, solution: str, answer: str) -> str:
     if grader == "exact":
         right = answer.strip() == solution.strip()

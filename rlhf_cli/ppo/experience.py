@@ -27,6 +27,7 @@ class Rollout(Generations):
     values: Tensor
     prompts: list[str]
     n_truncated: int = 0
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # `reward/no_answer_rate`, ...
     timings: dict[str, float] = field(default_factory=dict)
     staleness: int = 0  # PPO updates made since the answering weights (`async_steps`)
 

@@ -46,6 +46,8 @@ def iteration_metrics(
             acc.reduce(torch.tensor(float(rollout.n_truncated), device=acc.device), "sum")
         ),
     }
+    for key, value in rollout.reward_metrics.items():  # shares of equal batches: their mean
+        metrics[key] = float(acc.reduce(torch.tensor(value, device=acc.device), "mean"))
     if kl is not None:
         metrics["objective/kl"] = gather_mean_std(acc, kl.sum(1))[0]
     if returns is not None:

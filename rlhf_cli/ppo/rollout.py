@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhf_cli.data import reward_keywords
 from rlhf_cli.generation import (
     Generations,
     PolicyVersion,
@@ -43,7 +44,7 @@ from rlhf_cli.ppo.experience import Draft, Rollout
 from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.ppo.run import PPORun
 from rlhf_cli.recipe import PpoSection
-from rlhf_cli.scoring import RewardScorer
+from rlhf_cli.scoring import RewardScorer, completion_ids
 
 
 def shaped_scores(
@@ -99,6 +100,7 @@ def collect_rollout(run: PPORun, iteration: int) -> Rollout:
             run.state.score_moments,
             lambda x: acc.gather(x.to(acc.device)).cpu(),
             old_logprobs=not old_logprobs_at_update(cfg, kl_coef),
+            keywords={**reward_keywords([run.columns[i] for i in draft.index]), "step": iteration},
         )
     rollout.timings["time/rollout_s"] = waited  # what the loop waited for its answers
     rollout.timings["time/generate_s"] = generating  # what answering them took
@@ -202,8 +204,11 @@ def rollout_batch(
     moments: RunningMoments | None = None,
     gather: Callable[[Tensor], Tensor] = lambda x: x,
     old_logprobs: bool = True,
+    keywords: dict[str, Any] | None = None,
 ) -> Rollout:
-    """Score and evaluate one batch of answers to `prompts` (b = len(prompts)). Without
+    """Score and evaluate one batch of answers to `prompts` (b = len(prompts)), the reward
+    functions given `keywords` (the rows' columns, `step`) and the answers' `completion_ids`.
+    Without
     `reference` (β = 0: the KL would shape nothing) no reference forward runs and
     `ref_logprobs` is None. Without `old_logprobs` (`old_logprobs_at_update`) no policy
     forward runs: `logprobs` and `warped_logprobs` are None until the update gives them, and
@@ -214,7 +219,10 @@ def rollout_batch(
 
     # 1. Score decoded text with the reward model's own tokenizer, in batches.
     start = time.perf_counter()
-    raw_scores, n_truncated = scorer.score(prompts, answers.texts)
+    scored = scorer.scored(
+        prompts, answers.texts, {**(keywords or {}), "completion_ids": completion_ids(answers)}
+    )
+    raw_scores, n_truncated = scored.rewards, scored.n_truncated
     scores = shaped_scores(raw_scores, answers.ended, cfg, moments, gather)
     timings["time/score_s"] = time.perf_counter() - start
 
@@ -258,6 +266,7 @@ def rollout_batch(
         values=tensors["values"],
         prompts=prompts,
         n_truncated=n_truncated,
+        reward_metrics=scored.metrics,
         timings=timings,
     )
 

@@ -45,8 +45,8 @@ class Models:
 class Hooks:
     """The live audit (`audit.every`) and held-out evaluation, each on the whole actor."""
 
-    audit: Callable[[PolicyAndValue], dict[str, Any]] | None
-    evaluate: Callable[[PolicyAndValue], dict[str, float]] | None
+    audit: Callable[[PolicyAndValue, int], dict[str, Any]] | None  # (actor, iteration)
+    evaluate: Callable[[PolicyAndValue, int], dict[str, float]] | None
 
 
 @dataclass
@@ -61,6 +61,7 @@ class PPORun:
     logs: RunLogs
     prompts: list[str]
     queries: list[list[int]]  # their token ids
+    columns: list[dict[str, Any]]  # each prompt's extra columns, for the reward functions
     stage_dir: Path
     inputs: dict[str, InputRecord]  # the stages trained on (the manifest's)
     drafts: Drafts = field(default_factory=Drafts)  # rollouts asked for ahead (`async_steps`)
@@ -102,7 +103,7 @@ def live_audit(run: PPORun, iteration: int) -> tuple[dict[str, float], list[str]
     if run.hooks.audit is None or not every or iteration % every:
         return {}, []
     with acc.autocast(), run.models.engine.gathered(run.models.actor) as actor:  # all join
-        report = answered_everywhere(acc, lambda: run.hooks.audit(actor))
+        report = answered_everywhere(acc, lambda: run.hooks.audit(actor, iteration))
     return main_decides(acc, lambda: _audit_outcome(run, iteration, report))
 
 
@@ -254,7 +255,7 @@ def heldout_eval(run: PPORun, iteration: int) -> dict[str, float]:
     if run.hooks.evaluate is None or not (last or (every and iteration % every == 0)):
         return {}
     with acc.autocast(), run.models.engine.gathered(run.models.actor) as actor:
-        metrics = answered_everywhere(acc, lambda: run.hooks.evaluate(actor))
+        metrics = answered_everywhere(acc, lambda: run.hooks.evaluate(actor, iteration))
     return main_decides(acc, lambda: {**metrics, **overoptimization(run, iteration, metrics)})
 
 

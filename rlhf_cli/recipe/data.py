@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import (
     ValidationInfo,
@@ -41,11 +41,13 @@ class SourceSpec(Section):
         "or, with a hub `path`, file patterns inside that dataset. Files with different columns "
         "are read one by one.",
     )
-    columns: dict[Literal[COLUMNS], str] = described(  # type: ignore[valid-type]
+    columns: dict[str, str] = described(
         {},
         "The dataset's column for each of our names (LLaMA-Factory's `columns`): "
         "`{prompt: question, completion: answer}`. Ours: " + ", ".join(COLUMNS) + " (`input` is "
-        "appended to the prompt as Alpaca's; `system` becomes the conversation's system message).",
+        "appended to the prompt as Alpaca's; `system` becomes the conversation's system message). "
+        "In `data.prompts` any other name (`{solution: answer}`) renames an extra column, which "
+        "reaches the reward functions as a keyword argument (docs/rewards.md).",
     )
     max_samples: int | None = described(
         None, "Keep only the first N rows (after the split's slice).", ge=1
@@ -66,6 +68,17 @@ class SourceSpec(Section):
     @classmethod
     def _one_file(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("columns")
+    @classmethod
+    def _column_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if name not in COLUMNS and not name.isidentifier():
+                raise ValueError(
+                    f"{name!r} is neither one of ours ({', '.join(COLUMNS)}) nor a keyword "
+                    "argument name for a reward function"
+                )
+        return value
 
     @field_validator("split")
     @classmethod

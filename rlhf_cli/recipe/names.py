@@ -25,3 +25,7 @@ GenerationBackend = Literal[GENERATION_BACKENDS]  # type: ignore[valid-type]
 VLLM_BACKENDS = ("vllm", "vllm_server")  # both serve the policy's full-precision weights
 
 BUILTIN_PREFIX = "builtin:"  # `builtin:<name>`: a model built or shipped offline (tiny.py)
+
+# `reward.functions: [{function: builtin:<name>}]`: verifiable rewards (verifiable.py attaches
+# their functions)
+BUILTIN_REWARDS = ("math_accuracy", "think_format", "overlong")

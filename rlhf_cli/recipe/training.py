@@ -4,7 +4,7 @@ reward, built as `reward` is, that the policy never trains against."""
 from __future__ import annotations
 
 import string
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     ValidationInfo,
@@ -49,14 +49,22 @@ class RewardFunctionSpec(Section):
     function: str = described(
         ...,
         "`module:callable` (importable, or a `.py` file relative to the recipe) taking "
-        "(prompts, responses) and returning one float per response.",
+        "(prompts, responses) and returning one float per response; keyword arguments it "
+        "accepts get each extra column of the prompt data (`solution`, ...: a list, one value "
+        "per response), `completion_ids` and `step` (TRL's convention). Or a built-in: "
+        "`builtin:math_accuracy`, `builtin:think_format`, `builtin:overlong` (docs/rewards.md).",
     )
     weight: float = described(1.0, "Multiplies this function's rewards before they are summed.")
+    options: dict[str, Any] = described(
+        {},
+        "Keyword arguments bound to the function: `{marker: '####'}` for "
+        "`builtin:math_accuracy`, `{max_length: 256, cache: 64}` for `builtin:overlong`.",
+    )
 
     @field_validator("function")
     @classmethod
     def _importable(cls, value: str, info: ValidationInfo) -> str:
-        from rlhf_cli.rewards import load_reward_function
+        from rlhf_cli.rewards import named_function
 
         module, sep, name = value.rpartition(":")
         if not sep or not module or not name:
@@ -66,8 +74,19 @@ class RewardFunctionSpec(Section):
             if not file.is_file():
                 raise ValueError(f"reward function file not found: {file}")
             value = f"{file.resolve()}:{name}"
-        load_reward_function(value)  # a recipe that validates can score
+        named_function(value)  # a recipe that validates can score
         return value
+
+    @model_validator(mode="after")
+    def _options(self) -> RewardFunctionSpec:
+        self.load()  # the options are the function's
+        return self
+
+    def load(self) -> Any:
+        """The callable, its options bound."""
+        from rlhf_cli.rewards import load_reward_function
+
+        return load_reward_function(self.function, self.options)
 
 
 class RewardSection(TrainerSection):

@@ -1,8 +1,9 @@
 """`rlhf validate --data`: each stage's data and tokenizer loaded (no model weights), and its
 figures (`data_figures`, tokenised as the stage tokenises: PPO's prompts cut to
 `data.prompts.max_tokens` through the chat template), with one example's tokens marked when
-asked; a stage that would get no rows, cannot read its data or whose chat template fails on a
-row is reported and fails the check (exit 2)."""
+asked; a stage that would get no rows, cannot read its data, whose chat template fails on a
+row or whose prompts lack a column a reward function needs is reported and fails the check
+(exit 2)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rlhf_cli.data.prompts import tokenize_prompts
 from rlhf_cli.errors import DataError, ModelLoadError
 from rlhf_cli.modeling import load_policy_tokenizer, load_tokenizer
 from rlhf_cli.recipe import Recipe
+from rlhf_cli.rewards import lacking_columns
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.data_figures import (
     preference_figures,
@@ -104,6 +106,9 @@ def _prompts(recipe: Recipe, row: int | None, sample: int) -> dict[str, Any]:
     source, chat = recipe.data.prompts, recipe.model.prompt_format == "chat"
     tokenizer = _policy_tokenizer(recipe, "left")
     data = load_prompts(source, limit=sample)
+    problem = lacking_columns(recipe, data.columns)
+    if problem is not None:
+        raise DataError(problem)
     limits = (source.max_tokens, recipe.ppo.generation.max_new_tokens)
     figures = prompt_figures(data, tokenizer, chat, limits, source.eval_fraction, sample)
     prompt = _row(data.items, row, "prompts")

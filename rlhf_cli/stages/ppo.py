@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from rich.console import Console
 from rich.markup import escape
 from safetensors.torch import save_file
 
-from rlhf_cli.data import audit_prompts, hold_out, load_prompts, prompt_text
+from rlhf_cli.data import audit_prompts, hold_out, load_prompts, prompt_text, reward_keywords
+from rlhf_cli.errors import DataError
 from rlhf_cli.generation import Generator, require_engine, tokenize_prompts
 from rlhf_cli.modeling import (
     Reference,
@@ -49,6 +51,7 @@ from rlhf_cli.resume import (
     resume_point,
     undone_by,
 )
+from rlhf_cli.rewards import lacking_columns
 from rlhf_cli.rundir import InputRecord, Manifest, RunDir
 from rlhf_cli.scoring import RewardScorer
 from rlhf_cli.stages.common import seed_everything, start_or_resume
@@ -159,7 +162,9 @@ def setup(
     """Everything the loop needs, and the iteration to start after (0, or the checkpoint's)."""
     cfg, device, stage_dir = recipe.ppo, accelerator.device, run.stage_dir("ppo")
     # 1. Tokenizer, prompts, and the guide's "common mistakes" caught before training.
-    tokenizer, (prompts, queries), heldout = prompt_inputs(recipe, run, sources, record, console)
+    tokenizer, (prompts, queries, columns), heldout = prompt_inputs(
+        recipe, run, sources, record, console
+    )
 
     # 2. Models: frozen reward model, actor (policy + value), reference; the rollout engine.
     engine = engine_for(accelerator)
@@ -195,7 +200,9 @@ def setup(
         models=Models(engine, prepared_actor, reference, scorer, generator, tokenizer),
         state=state,
         hooks=Hooks(
-            audit=_live_audit(recipe, tokenizer, reference, scorer, generator),
+            audit=_live_audit(
+                recipe, tokenizer, reference, scorer, generator, (prompts, columns), heldout
+            ),
             evaluate=_live_eval(recipe, heldout, reference, (scorer, judge), generator),
         ),
         logs=RunLogs(
@@ -209,6 +216,7 @@ def setup(
         ),
         prompts=prompts,
         queries=queries,
+        columns=columns,
         stage_dir=stage_dir,
         inputs=record.manifest["inputs"],
         **main_decides(accelerator, lambda: watch_from(checkpoint[0] if start else None)),
@@ -236,20 +244,27 @@ def watch_from(folder: Path | None) -> dict[str, Any]:
     return watch
 
 
-Prompts = tuple[list[str], list[list[int]]]  # texts and their token ids
+# texts, their token ids, and each one's extra columns (the reward functions' keywords)
+Prompts = tuple[list[str], list[list[int]], list[dict[str, Any]]]
 
 
 def prompt_inputs(
     recipe: Recipe, run: RunDir, sources: PpoSources, record: StageRecord, console: Console
 ) -> tuple[Any, Prompts, Prompts]:
     """The policy tokenizer, the PPO training prompts and the held-out ones
-    (`data.prompts.eval_fraction`), each with their token ids; the guide's "common mistakes"
-    about them are warned about (console and manifest)."""
+    (`data.prompts.eval_fraction`), each with their token ids and extra columns; the guide's
+    "common mistakes" about them are warned about (console and manifest). A reward function
+    that needs a column the prompts lack is refused here, before any model loads."""
     tokenizer = load_policy_tokenizer(recipe.model, sources.tokenizer, "left")
     source = recipe.data.prompts
     data = load_prompts(source, cache_dir=run.path / ".cache")
+    problem = lacking_columns(recipe, data.columns)
+    if problem is not None:
+        raise DataError(problem)
     chat = recipe.model.prompt_format == "chat"
-    train, heldout = hold_out(data, source.eval_fraction)
+    rows = replace(data, items=list(zip(data.items, data.columns, strict=True)))
+    train_rows, heldout_rows = hold_out(rows, source.eval_fraction)
+    train, heldout = [p for p, _ in train_rows], [p for p, _ in heldout_rows]
     # the prompts' texts before max_chars cut them, as the reward model's data holds them
     for warning in [*startup_warnings(recipe, run, data.texts), *data.warnings]:
         record.warn(warning)
@@ -263,10 +278,12 @@ def prompt_inputs(
         (
             [prompt_text(p) for p in train],
             tokenize_prompts(tokenizer, train, chat, source.max_tokens),
+            [c for _, c in train_rows],
         ),
         (
             [prompt_text(p) for p in heldout],
             tokenize_prompts(tokenizer, heldout, chat, source.max_tokens),
+            [c for _, c in heldout_rows],
         ),
     )
 
@@ -358,17 +375,25 @@ def _live_audit(
     reference: Reference,
     scorer: RewardScorer,
     generator: Generator,
-) -> Callable[[PolicyAndValue], dict[str, Any]]:
+    *data: Prompts | tuple[list[str], list[dict[str, Any]]],
+) -> Callable[[PolicyAndValue, int], dict[str, Any]]:
     """`audit.every`: the same audit as `rlhf audit`, on the live policy (given whole), sampled
     by the rollout engine (the next rollout syncs it back to the policy). The frozen reference's
-    answers are sampled at the first audit and kept (the same seeds give the same answers)."""
+    answers are sampled at the first audit and kept (the same seeds give the same answers). An
+    audit prompt that is a prompt of `data` (texts, ..., columns) carries that row's columns
+    to the reward functions; any other has None in each."""
     from rlhf_cli.audit.measure import audit_policy
 
     chat = recipe.model.prompt_format == "chat"
     prompts = audit_prompts(recipe.audit)
+    known = {text: row for part in data for text, row in zip(part[0], part[-1], strict=True)}
+    names = dict.fromkeys(name for row in known.values() for name in row)
+    keywords = reward_keywords(
+        [{name: known.get(p, {}).get(name) for name in names} for p in prompts]
+    )
     kept: list[str] = []
 
-    def audit(actor: PolicyAndValue) -> dict[str, Any]:
+    def audit(actor: PolicyAndValue, iteration: int) -> dict[str, Any]:
         report = audit_policy(
             actor.policy,
             tokenizer,
@@ -381,6 +406,8 @@ def _live_audit(
             generator=generator,
             seed=recipe.run.seed,
             reference_responses=kept or None,
+            keywords=keywords,
+            step=iteration,
         )
         kept[:] = [sample["reference"] for sample in report["samples"]]
         return report
@@ -394,19 +421,19 @@ def _live_eval(
     reference: Reference,
     scorers: tuple[RewardScorer, RewardScorer | None],
     generator: Any,
-) -> Callable[[PolicyAndValue], dict[str, float]] | None:
+) -> Callable[[PolicyAndValue, int], dict[str, float]] | None:
     """The held-out evaluation on the live policy (given whole), sampled by the rollout engine
     with the audit's generation settings, scored by the reward and the judge (`audit.judge`,
     when set: `scorers`); the reference's scores are computed once."""
     from rlhf_cli.audit.measure import ReferenceScores, heldout_eval
 
-    prompts, queries = heldout
+    prompts, queries, columns = heldout
     if not prompts:
         return None
     scorer, judge = scorers
     kept: dict[str, ReferenceScores] = {}
 
-    def evaluate(actor: PolicyAndValue) -> dict[str, float]:
+    def evaluate(actor: PolicyAndValue, iteration: int) -> dict[str, float]:
         metrics, kept["reference"] = heldout_eval(
             actor.policy,
             prompts,
@@ -418,6 +445,8 @@ def _live_eval(
             generator=generator,
             judge=judge,
             reference_scores=kept.get("reference"),
+            keywords=reward_keywords(columns),
+            step=iteration,
         )
         return metrics
 
