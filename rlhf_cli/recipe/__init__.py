@@ -6,13 +6,20 @@ shared sections (`run`, `model`, `data`) plus its own.
 
 The package, by job: `names` (the names other layers act on, declared once), `base` (the strict
 section, the described field, paths), one module per group of sections (`model`, `data`,
-`training`, `ppo`, `dpo`, `schema` with the whole `Recipe`), `load` (YAML and `--set`), `errors`
-(one line per problem), `docs` (the reference page).
+`training`, `ppo`, `dpo` with every offline method, `schema` with the whole `Recipe`), `load`
+(YAML and `--set`), `errors` (one line per problem), `docs` (the reference page).
 """
 
 from rlhf_cli.recipe.data import DataSection, DataSource, PromptSource, SourceSpec, StageSource
 from rlhf_cli.recipe.docs import DATA_LAYOUTS, schema_markdown
-from rlhf_cli.recipe.dpo import DPO_LOSSES, DpoSection
+from rlhf_cli.recipe.dpo import (
+    DPO_LOSSES,
+    DpoSection,
+    KtoSection,
+    OfflineSection,
+    OrpoSection,
+    SimpoSection,
+)
 from rlhf_cli.recipe.eval import (
     BenchmarksSection,
     ChecksSection,
@@ -42,8 +49,11 @@ __all__ = [
     "EvalSection",
     "GateSection",
     "GenerationSection",
+    "KtoSection",
     "LoraSection",
     "MergeSection",
+    "OfflineSection",
+    "OrpoSection",
     "ModelSection",
     "PpoSection",
     "PromptSource",
@@ -55,6 +65,7 @@ __all__ = [
     "RunSection",
     "ServerSection",
     "SftSection",
+    "SimpoSection",
     "SourceSpec",
     "StageSource",
     "TrainerSection",

@@ -17,7 +17,7 @@ from pydantic import (
 from rlhf_cli.guide import GUIDE_AUDIT_PROMPTS, GUIDE_SYCOPHANTIC_OPENERS
 from rlhf_cli.recipe.base import Section, described, resolve_local
 from rlhf_cli.recipe.data import DataSection
-from rlhf_cli.recipe.dpo import DpoSection
+from rlhf_cli.recipe.dpo import DpoSection, KtoSection, OrpoSection, SimpoSection
 from rlhf_cli.recipe.eval import EvalSection
 from rlhf_cli.recipe.model import ModelSection, RunSection
 from rlhf_cli.recipe.names import VLLM_BACKENDS
@@ -160,6 +160,15 @@ class Recipe(Section):
     ppo: PpoSection = described(PpoSection(), "PPO alignment.")
     dpo: DpoSection = described(
         DpoSection(), "Offline preference optimisation (`rlhf dpo`): DPO and its losses."
+    )
+    kto: KtoSection = described(
+        KtoSection(), "KTO on thumbs-up / thumbs-down rows (`rlhf kto`), with a reference."
+    )
+    orpo: OrpoSection = described(
+        OrpoSection(), "ORPO (`rlhf orpo`): NLL plus an odds-ratio term, no reference."
+    )
+    simpo: SimpoSection = described(
+        SimpoSection(), "SimPO (`rlhf simpo`): a length-normalised margin, no reference."
     )
     audit: AuditSection = described(AuditSection(), "Reward-hacking audit.")
     merge: MergeSection = described(MergeSection(), "Merging LoRA into the base.")

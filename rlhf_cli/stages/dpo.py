@@ -1,11 +1,15 @@
-"""`rlhf dpo`: offline preference optimisation from the SFT policy on `data.preferences`, with
-TRL's DPOTrainer and the losses it names (`dpo.loss_type`).
+"""The offline methods, `rlhf dpo`, `rlhf kto`, `rlhf orpo` and `rlhf simpo`: preference
+optimisation from the SFT policy on `data.preferences`, with no reward model and no rollouts,
+each through a TRL trainer (`METHODS`): DPO with the losses it names (`dpo.loss_type`), KTO on
+thumbs-up / thumbs-down rows, and from `trl.experimental` ORPO and SimPO (CPOTrainer with its
+`simpo` loss and no NLL term), which hold no reference at all. Each writes
+`runs/<name>/<method>/` with the same manifest (the method, its inputs, its health).
 
-The reference is the SFT model: with LoRA the policy with its adapter disabled (TRL builds the
-adapter from our `peft_config` and disables it for the reference: one copy of the weights), else
-a frozen copy of the SFT model. Its log-probs of every chosen and rejected answer are computed
-once (TRL's `precompute_ref_log_probs`) and kept in `dpo/ref_logps/<split>.safetensors` with the
-hash of what they depend on (`reference_key`): a rerun or a resume with the same SFT weights,
+The reference of DPO and KTO is the SFT model: with LoRA the policy with its adapter disabled
+(TRL builds the adapter from our `peft_config` and disables it for the reference: one copy of
+the weights), else a frozen copy of the SFT model. Its log-probs of every answer are computed
+once (TRL's `precompute_ref_log_probs`) and kept in `<method>/ref_logps/<split>.safetensors` with
+the hash of what they depend on (`reference_key`): a rerun or a resume with the same SFT weights,
 tokenised pairs and length reads them and runs no reference forward at all (the full-weights
 copy is not even loaded); anything else computes them again.
 """
@@ -13,16 +17,20 @@ copy is not even loaded); anything else computes them again.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from rich.console import Console
-from trl import DPOTrainer
+from trl import DPOTrainer, KTOTrainer
 
 from rlhf_cli.data import Pair, hold_out, load_preferences, prompt_text, read_source
-from rlhf_cli.data.layouts import layout_of
+from rlhf_cli.data.layouts import example_of, layout_of, source_layout
+from rlhf_cli.data.rows import Conversation, StageData, describe
 from rlhf_cli.errors import DataError, StageError
 from rlhf_cli.model_checks import check_context, check_lora_targets, check_vocab
 from rlhf_cli.modeling import (
@@ -34,11 +42,12 @@ from rlhf_cli.modeling import (
     resolve_dtype,
     upcast_trainable,
 )
-from rlhf_cli.recipe import Recipe, StageSource
+from rlhf_cli.recipe import OfflineSection, Recipe, StageSource
 from rlhf_cli.record import StageRecord
 from rlhf_cli.resume import check_same_inputs, trainer_resume_point
 from rlhf_cli.rundir import InputRecord, Manifest, RunDir
 from rlhf_cli.stages.common import drop_checkpoints, seed_everything
+from rlhf_cli.stages.offline_health import report_health
 from rlhf_cli.stages.trained import policy_source
 from rlhf_cli.stages.trainers import (
     StageCallback,
@@ -50,130 +59,211 @@ from rlhf_cli.stages.trainers import (
 )
 from rlhf_cli.tracking import Trackers
 
-REF_LOGPS = "ref_logps"  # the reference log-prob cache's folder in dpo/
-REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # TRL's names for them
+REF_LOGPS = "ref_logps"  # the reference log-prob cache's folder in the stage's folder
+T = TypeVar("T")
 
 
-def run_dpo(recipe: Recipe, console: Console, resume: bool = False) -> Manifest:
-    """Train the policy by DPO from the SFT model; write `runs/<name>/dpo/`; return its
-    manifest. With `resume`, continue from the newest checkpoint of an interrupted attempt."""
+@dataclass(frozen=True)
+class Method:
+    """One offline method: its stage (the command, the recipe section and the output folder
+    share the name), the rows it reads, whether it holds a reference, and the TRL trainer and
+    config behind it with the options taken from its section."""
+
+    name: str
+    paired: bool  # chosen and rejected per row (else KTO's one answer with a `label`)
+    reference: bool  # a reference model (its log-probs cached), or none
+    trl: str  # the TRL classes, `module:Trainer:Config`
+    options: Callable[[Any], dict[str, Any]]  # the section -> the TRL config's own fields
+
+    def classes(self) -> tuple[type, type]:
+        """(trainer, config): ours around TRL's where the reference's log-probs are cached."""
+        module, trainer, config = self.trl.split(":")
+        lib = importlib.import_module(module)
+        cached = {"DPOTrainer": CachedReferenceDPO, "KTOTrainer": CachedReferenceKTO}
+        return cached.get(trainer) or getattr(lib, trainer), getattr(lib, config)
+
+
+METHODS = {
+    m.name: m
+    for m in [
+        Method(
+            "dpo",
+            True,
+            True,
+            "trl:DPOTrainer:DPOConfig",
+            lambda c: dict(
+                loss_type=list(c.loss_type),
+                loss_weights=c.loss_weights,
+                beta=c.beta,
+                label_smoothing=c.label_smoothing,
+            ),
+        ),
+        Method(
+            "kto",
+            False,
+            True,
+            "trl:KTOTrainer:KTOConfig",
+            lambda c: dict(
+                beta=c.beta,
+                desirable_weight=c.desirable_weight,
+                undesirable_weight=c.undesirable_weight,
+            ),
+        ),
+        Method(
+            "orpo",
+            True,
+            False,
+            "trl.experimental.orpo:ORPOTrainer:ORPOConfig",
+            lambda c: dict(beta=c.beta),
+        ),
+        # SimPO is CPO's `simpo` loss without CPO's NLL term (`cpo_alpha=0`), as TRL documents
+        Method(
+            "simpo",
+            True,
+            False,
+            "trl.experimental.cpo:CPOTrainer:CPOConfig",
+            lambda c: dict(loss_type="simpo", cpo_alpha=0.0, beta=c.beta, simpo_gamma=c.gamma),
+        ),
+    ]
+}
+
+
+def run_offline(recipe: Recipe, console: Console, method: str, resume: bool = False) -> Manifest:
+    """Train the policy by `method` (a key of `METHODS`) from the SFT model (ORPO: or the base);
+    write `runs/<name>/<method>/`; return its manifest. With `resume`, continue from the newest
+    checkpoint of an interrupted attempt."""
     from accelerate import PartialState
 
+    how, command = METHODS[method], f"rlhf {method}"
     run = RunDir.for_recipe(recipe)
     if recipe.data.preferences is None:
-        raise StageError("rlhf dpo trains on preference pairs: set data.preferences")
+        raise StageError(f"{command} trains on preference data: set data.preferences")
     if recipe.model.quantization.load_in_4bit:
         raise StageError(
-            "rlhf dpo does not train on 4-bit weights yet: set "
+            f"{command} does not train on 4-bit weights yet: set "
             "model.quantization.load_in_4bit: false"
         )
     inputs: dict[str, InputRecord] = {}
-    base, sft_adapter, tokenizer_source = policy_source(recipe, run, inputs, "rlhf dpo")
+    base, sft_adapter, tokenizer_source = start_source(recipe, run, inputs, method)
     is_main = PartialState().is_main_process
     seed_everything(recipe.run.seed)
-    trackers = Trackers.for_stage(recipe.run, "dpo", run.stage_dir("dpo"))
+    trackers = Trackers.for_stage(recipe.run, method, run.stage_dir(method))
     # found before the manifest is touched: a refused --resume leaves the last result intact
-    checkpoint = trainer_resume_point(run.stage_dir("dpo"), "rlhf dpo") if resume else None
+    checkpoint = trainer_resume_point(run.stage_dir(method), command) if resume else None
     if checkpoint is not None:
-        previous = run.read_manifest("dpo") or {}
+        previous = run.read_manifest(method) or {}
         check_same_inputs(
             previous,
             inputs,
             ("sft",),
             f"the checkpoint {checkpoint[0].name}",
-            "its weights were trained on the earlier one; `rlhf dpo` without --resume starts "
+            f"its weights were trained on the earlier one; `{command}` without --resume starts "
             "over on this one",
         )
     with (
-        StageRecord(run, "dpo", recipe, inputs=inputs, write=is_main) as record,
+        StageRecord(run, method, recipe, inputs=inputs, write=is_main) as record,
         trackers.environment(),
     ):
-        # 1. Pairs, policy, reference (or its cached log-probs) and trainer.
+        # 1. Rows, policy, reference (or its cached log-probs) and trainer.
         sources = (base, sft_adapter, tokenizer_source)
-        trainer, stage = setup(recipe, run, record, console, trackers, sources)
+        trainer, stage = setup(how, recipe, run, record, console, trackers, sources)
 
-        # 2. Train, with the held-out pairs measured before (the SFT policy) and after.
+        # 2. Train, with the held-out rows measured before (the starting policy) and after.
         start = trainer.evaluate()
         stage.writer = start_or_resume_trainer(record, checkpoint, console)
         if checkpoint is None:
             stage.writer.log(start, step=0)
         try:
             folder = checkpoint[0] if checkpoint else None
-            result = train_resumable(trainer, stage, folder, console, "rlhf dpo")
+            result = train_resumable(trainer, stage, folder, console, command)
             final = trainer.evaluate()
         finally:
             stage.progress.stop()
             stage.writer.close()
 
-        # 3. Save: the adapter (LoRA) or the whole model, plus the tokenizer.
+        # 3. Save: the adapter (LoRA) or the whole model, plus the tokenizer; the health table.
         if is_main:
-            save(recipe, record, trainer, result, (start, final))
+            save(how, recipe, record, trainer, result, (start, final))
+            report_health(record, console, how.reference, getattr(recipe, method).beta)
     return record.manifest
 
 
+def start_source(
+    recipe: Recipe, run: RunDir, inputs: dict[str, InputRecord], method: str
+) -> tuple[str, Path | None, str]:
+    """(base weights, SFT adapter or None, tokenizer) the policy starts from: the SFT model
+    (`policy_source`, recorded in `inputs`), or the base model for `orpo.start: base`."""
+    if method == "orpo" and recipe.orpo.start == "base":
+        name = recipe.model.name_or_path
+        return name, None, recipe.model.tokenizer or name
+    return policy_source(recipe, run, inputs, f"rlhf {method}")
+
+
 def setup(
+    how: Method,
     recipe: Recipe,
     run: RunDir,
     record: StageRecord,
     console: Console,
     trackers: Trackers,
     sources: tuple[str, Path | None, str],
-) -> tuple[DPOTrainer, StageCallback]:
-    """The pairs split as train-rm splits them (`hold_out` with `run.seed`), in TRL's
-    preference format; the SFT model as the policy, given a fresh LoRA adapter by TRL
-    (`model.lora`) or trained whole in fp32; the reference beside it only when the whole
+) -> tuple[Any, StageCallback]:
+    """The rows split as train-rm splits them (`hold_out` with `run.seed`), in TRL's format;
+    the starting model as the policy, given a fresh LoRA adapter by TRL (`model.lora`) or
+    trained whole in fp32; the reference beside it only when the method holds one, the whole
     weights train and the cache misses; the trainer with its `StageCallback`."""
-    from trl import DPOConfig
-
-    cfg, device = recipe.dpo, pick_device(recipe.run.device)
+    cfg, device = getattr(recipe, how.name), pick_device(recipe.run.device)
     base, sft_adapter, tokenizer_source = sources
     chat = recipe.model.prompt_format == "chat"
-    train, held = paired_data(recipe, run, record)
-    train_rows, eval_rows = ([trl_pair(p, chat) for p in side] for side in (train, held))
+    if how.paired:
+        train, held = paired_data(recipe, run, record, how.name)
+        train_rows, eval_rows = ([trl_pair(p, chat) for p in side] for side in (train, held))
+    else:
+        train_rows, eval_rows = thumbs_data(recipe, run, record, chat)
     tokenizer = load_policy_tokenizer(recipe.model, tokenizer_source, "right")
     model = load_sft_model(recipe.model, base, sft_adapter, device)
-    check_context(model, {"dpo.max_length": cfg.max_length}, "the policy")
+    check_context(model, {f"{how.name}.max_length": cfg.max_length}, "the policy")
     check_vocab(model, tokenizer, "model.tokenizer", "the policy")
-    cache = ReferenceCache(record.dir / REF_LOGPS, reference_identity(recipe, record), record.write)
+    identity = reference_identity(recipe, record, cfg.max_length)
+    cache = ReferenceCache(record.dir / REF_LOGPS, identity, record.write)
     peft_config, ref_model = None, None
     if recipe.model.lora.enabled:
         check_lora_targets(model, recipe.model.lora, "model.lora.target_modules")
         peft_config = lora_config(recipe.model.lora, "CAUSAL_LM")
     else:
         model = make_trainable(model, recipe.model, "CAUSAL_LM")
-        if not cache.complete(("train", "eval")):  # the SFT model, frozen, computes them
+        if how.reference and not cache.complete(("train", "eval")):  # the SFT model, frozen
             ref_model = load_sft_model(recipe.model, base, sft_adapter, device)
+    extra = {"cache": cache, "ref_model": ref_model} if how.reference else {}
+    trainer_class, config_class = how.classes()
     dtype = resolve_dtype(recipe.model.dtype, device)
     checkpointing = recipe.model.gradient_checkpointing
-    args = DPOConfig(
+    args = config_class(
         **trainer_kwargs(cfg, device, dtype, record.dir, recipe.run.seed, trackers, checkpointing),
         max_length=cfg.max_length,
         warmup_steps=cfg.warmup_ratio,
         lr_scheduler_type="cosine",
-        loss_type=list(cfg.loss_type),
-        loss_weights=cfg.loss_weights,
-        beta=cfg.beta,
-        label_smoothing=cfg.label_smoothing,
-        precompute_ref_log_probs=True,
+        **how.options(cfg),
+        **({"precompute_ref_log_probs": True} if how.reference else {}),
     )
-    stage = StageCallback(console, "dpo")
-    trainer = CachedReferenceDPO(
-        cache,
+    stage = StageCallback(console, how.name)
+    trainer = trainer_class(
         model=model,
-        ref_model=ref_model,
         args=args,
         processing_class=tokenizer,
         train_dataset=_dataset(train_rows),
         eval_dataset=_dataset(eval_rows),
         peft_config=peft_config,
         callbacks=[stage],
+        **extra,
     )
-    trainer.ref_model = None  # its log-probs are kept: the copy is not needed to train
+    if how.reference:
+        trainer.ref_model = None  # its log-probs are kept: the copy is not needed to train
+    record.manifest["reference"] = cache.summary() if how.reference else None
     drop_printer(trainer)
     upcast_trainable(trainer.model)
     kept = (len(trainer.train_dataset), len(trainer.eval_dataset))
-    check_dropped(record, (len(train_rows), len(eval_rows)), kept, cfg.max_length)
-    record.manifest["reference"] = cache.summary()
+    check_dropped(record, (len(train_rows), len(eval_rows)), kept, how.name, cfg.max_length)
     return trainer, stage
 
 
@@ -183,7 +273,9 @@ def _dataset(rows: list[dict[str, Any]]) -> Any:
     return Dataset.from_list(rows)
 
 
-def paired_data(recipe: Recipe, run: RunDir, record: StageRecord) -> tuple[list[Pair], list[Pair]]:
+def paired_data(
+    recipe: Recipe, run: RunDir, record: StageRecord, method: str
+) -> tuple[list[Pair], list[Pair]]:
     """(training pairs, held-out pairs) of `data.preferences`, split as `rlhf train-rm` splits
     them; rows without a chosen and a rejected answer are a DataError naming their layout."""
     source = recipe.data.preferences
@@ -195,22 +287,84 @@ def paired_data(recipe: Recipe, run: RunDir, record: StageRecord) -> tuple[list[
         if unpaired is None:
             raise
         raise DataError(
-            f"{unpaired[0]}: its rows are unpaired ({unpaired[1]}), one answer each; rlhf dpo "
-            "needs a chosen and a rejected answer per row (`prompt`, `chosen`, `rejected`)"
+            f"{unpaired[0]}: its rows are unpaired ({unpaired[1]}), one answer each; rlhf "
+            f"{method} needs a chosen and a rejected answer per row (`prompt`, `chosen`, "
+            "`rejected`); rlhf kto trains on such rows"
         ) from None
-    train, held = hold_out(data, source.eval_fraction, recipe.run.seed)
-    for warning in data.warnings:
-        record.warn(warning)
     same = data.dropped.get("identical answers", 0)
     if same:
         record.warn(f"{same} preference pair(s) have the same chosen and rejected answer: skipped")
+    return split_and_record(recipe, record, data)
+
+
+def split_and_record(
+    recipe: Recipe, record: StageRecord, data: StageData[T]
+) -> tuple[list[T], list[T]]:
+    """(training rows, held-out rows), split as `rlhf train-rm` splits pairs; the data's summary
+    and the hash of its rows in the manifest (what the stage was made from)."""
+    source = recipe.data.preferences
+    train, held = hold_out(data, source.eval_fraction, recipe.run.seed)
+    for warning in data.warnings:
+        record.warn(warning)
     record.manifest["data"] = {"preferences": data.summary()}
-    pairs = json.dumps([vars(pair) for pair in data.items], sort_keys=True)
+    rows = json.dumps([vars(item) for item in data.items], sort_keys=True)
     record.manifest["inputs"]["preferences"] = {  # type: ignore[typeddict-item]
         "path": source.where(),
-        "sha256": hashlib.sha256(pairs.encode()).hexdigest(),
+        "sha256": hashlib.sha256(rows.encode()).hexdigest(),
     }
     return train, held
+
+
+@dataclass(frozen=True)
+class Thumb:
+    """One KTO row: an answer to a prompt, with a thumbs-up (`label` true) or down."""
+
+    prompt: Conversation
+    completion: str
+    label: bool
+
+
+def thumbs_data(
+    recipe: Recipe, run: RunDir, record: StageRecord, chat: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training rows, held-out rows) of `data.preferences` in TRL's unpaired format: each
+    source's rows `prompt`, `completion` and a boolean `label` (SFT's prompt-completion reader,
+    `example_of`, plus the label); paired rows are a DataError naming their layout."""
+    source, data = recipe.data.preferences, StageData([])
+    for index, spec in enumerate(source.parts()):
+        rows, sampled = read_source(spec, run.path / ".cache")
+        data.sampled = data.sampled or sampled
+        paired = layout_of(rows[0].values, "preferences")
+        if paired:
+            raise DataError(
+                f"{spec.where()}: its rows are paired ({paired}), a chosen and a rejected "
+                "answer each; rlhf kto needs one answer per row with a thumbs-up or down "
+                "(`prompt`, `completion`, `label` true/false); rlhf dpo, orpo and simpo train "
+                "on pairs"
+            )
+        data.layouts[spec.where()] = source_layout(rows, "sft", spec.where())
+        data.rows += len(rows)
+        data.weights.append(spec.weight)
+        for row in rows:
+            example, label = example_of(row), row.values.get("label")
+            if example.prompt is None or not isinstance(label, bool):
+                raise DataError(
+                    f"{row.where}: rlhf kto needs `prompt`, `completion` and `label` true or "
+                    f"false; this row's label is {describe(label)}"
+                )
+            data.items.append(Thumb(example.prompt, example.answer, label))
+            data.origins.append(index)
+    train, held = split_and_record(recipe, record, data)
+    return [[trl_thumb(t, chat) for t in side] for side in (train, held)]  # type: ignore[return-value]
+
+
+def trl_thumb(thumb: Thumb, chat: bool) -> dict[str, Any]:
+    """A KTO row in TRL's unpaired format, conversational or standard as `trl_pair`'s."""
+    if chat:
+        answer = [{"role": "assistant", "content": thumb.completion}]
+        return {"prompt": thumb.prompt, "completion": answer, "label": thumb.label}
+    text = prompt_text(thumb.prompt)
+    return {"prompt": text, "completion": thumb.completion, "label": thumb.label}
 
 
 def unpaired_layout(source: StageSource, cache_dir: Path) -> tuple[str, str] | None:
@@ -244,51 +398,51 @@ SIDES = ("chosen", "rejected")
 
 
 def check_dropped(
-    record: StageRecord, given: tuple[int, int], kept: tuple[int, int], max_length: int
+    record: StageRecord, given: tuple[int, int], kept: tuple[int, int], method: str, max_length: int
 ) -> None:
-    """TRL drops the pairs whose prompt alone fills `dpo.max_length`: a split left empty is an
-    error naming the field, fewer pairs a manifest warning."""
+    """TRL drops the rows whose prompt alone fills `<method>.max_length`: a split left empty is
+    an error naming the field, fewer rows a manifest warning."""
     for split, before, after in zip(("training", "held-out"), given, kept, strict=True):
         if before and not after:
             raise StageError(
-                f"dpo.max_length ({max_length}) leaves no answer token in any of the {before} "
-                f"{split} pairs: their prompts fill it; raise dpo.max_length"
+                f"{method}.max_length ({max_length}) leaves no answer token in any of the "
+                f"{before} {split} rows: their prompts fill it; raise {method}.max_length"
             )
         if after < before:
             record.warn(
-                f"{before - after} of {before} {split} pairs dropped: their prompts fill "
-                f"dpo.max_length ({max_length})"
+                f"{before - after} of {before} {split} rows dropped: their prompts fill "
+                f"{method}.max_length ({max_length})"
             )
 
 
 # ── the reference's log-probs, computed once ───────────────────────────────────────────────────
 
 
-def reference_identity(recipe: Recipe, record: StageRecord) -> dict[str, Any]:
+def reference_identity(recipe: Recipe, record: StageRecord, max_length: int) -> dict[str, Any]:
     """What the reference's log-probs depend on besides the tokenised pairs: the SFT weights
     (the sft stage's folder and the attempt that made them, as the manifest's inputs record
     it; the base model's name without SFT), the dtype they compute in, and the cut to
-    `dpo.max_length` (TRL cuts in its collator, after tokenising)."""
+    `<method>.max_length` (TRL cuts in its collator, after tokenising)."""
     sft = record.manifest["inputs"].get("sft")
     weights = (
         {"sft": sft["path"], "finished_at": sft["finished_at"]}
         if sft
         else {"base": recipe.model.name_or_path}
     )
-    return {"weights": weights, "dtype": recipe.model.dtype, "max_length": recipe.dpo.max_length}
+    return {"weights": weights, "dtype": recipe.model.dtype, "max_length": max_length}
 
 
 class ReferenceCache:
-    """`<dpo>/ref_logps/<split>.safetensors`: the reference's log-probs of each pair's chosen
-    and rejected answer, with the hash (`key`) of the identity and the split's token ids, chat
-    template included (what TRL's tokenising made of it)."""
+    """`<method>/ref_logps/<split>.safetensors`: the reference's log-probs of each row's answers
+    (each trainer's `REF_COLUMNS`), with the hash (`key`) of the identity and the split's token
+    ids (its `ID_COLUMNS`), chat template included (what TRL's tokenising made of it)."""
 
     def __init__(self, folder: Path, identity: dict[str, Any], write: bool):
         self.folder, self.identity, self.write = folder, identity, write
         self.status: dict[str, str] = {}  # split -> reused | computed
 
-    def key(self, dataset: Any, template: str | None) -> str:
-        ids = dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"]).to_dict()
+    def key(self, dataset: Any, columns: tuple[str, ...], template: str | None) -> str:
+        ids = dataset.select_columns([c for c in columns if c in dataset.column_names]).to_dict()
         text = json.dumps({**self.identity, "ids": ids, "template": template}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -299,15 +453,17 @@ class ReferenceCache:
         """Whether every split has a kept file (its key is checked when it is read)."""
         return all(self.path(split).is_file() for split in splits)
 
-    def load(self, split: str, key: str, rows: int) -> dict[str, torch.Tensor] | None:
-        """The split's kept log-probs when they were made under `key` for `rows` pairs."""
+    def load(
+        self, split: str, key: str, names: tuple[str, ...], rows: int
+    ) -> dict[str, torch.Tensor] | None:
+        """The split's kept columns `names` when they were made under `key` for `rows` rows."""
         from safetensors import SafetensorError, safe_open
 
         try:
             with safe_open(str(self.path(split)), "pt") as kept:
                 if (kept.metadata() or {}).get("key") != key:
                     return None
-                columns = {name: kept.get_tensor(name) for name in REF_COLUMNS}
+                columns = {name: kept.get_tensor(name) for name in names}
         except (OSError, SafetensorError):
             return None
         return columns if all(len(c) == rows for c in columns.values()) else None
@@ -326,33 +482,58 @@ class ReferenceCache:
         return {"log_probs": REF_LOGPS, "splits": dict(self.status)}
 
 
-class CachedReferenceDPO(DPOTrainer):
-    """TRL's DPOTrainer whose reference log-probs go through `ReferenceCache`. With
-    `precompute_ref_log_probs` TRL calls `_precompute_ref_logps` for each split at its
-    construction, whatever columns the data holds, and keys its own cache on a hash of every
-    weight in a temporary folder (for data held in memory): the split's kept columns are
-    attached here instead, with no reference forward; only a miss runs TRL's."""
+class CachedReference:
+    """A TRL trainer whose reference log-probs go through `ReferenceCache`. With
+    `precompute_ref_log_probs`, TRL's DPOTrainer and KTOTrainer call `_precompute_ref_logps`
+    for each split at their construction, whatever columns the data holds, and key their own
+    cache on a hash of every weight in a temporary folder (for data held in memory): the
+    split's kept columns are attached here instead, with no reference forward; only a miss
+    runs TRL's."""
+
+    REF_COLUMNS: tuple[str, ...]  # TRL's names of the reference's log-probs
+    ID_COLUMNS: tuple[str, ...]  # the tokenised columns they depend on
 
     def __init__(self, cache: ReferenceCache, *args: Any, **kwargs: Any):
         self.ref_cache = cache
         super().__init__(*args, **kwargs)
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
-        cache = self.ref_cache
-        key = cache.key(dataset, self._tokenizer.chat_template)
-        kept = cache.load(name, key, len(dataset))
+        cache, columns = self.ref_cache, self.ref_columns()
+        template = getattr(self.processing_class, "chat_template", None)
+        key = cache.key(dataset, self.ID_COLUMNS, template)
+        kept = cache.load(name, key, columns, len(dataset))
         if kept is not None:
             cache.status[name] = "reused"
             for column, values in kept.items():
                 dataset = dataset.add_column(column, values.tolist())
             return dataset
-        dataset = super()._precompute_ref_logps(dataset, name, batch_size)
-        cache.save(name, key, {c: torch.tensor(dataset[c]) for c in REF_COLUMNS})
+        dataset = super()._precompute_ref_logps(dataset, name, batch_size)  # type: ignore[misc]
+        cache.save(name, key, {c: torch.tensor(dataset[c]) for c in columns})
         cache.status[name] = "computed"
         return dataset
 
+    def ref_columns(self) -> tuple[str, ...]:
+        return self.REF_COLUMNS
+
+
+class CachedReferenceDPO(CachedReference, DPOTrainer):
+    REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+    ID_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+class CachedReferenceKTO(CachedReference, KTOTrainer):
+    """KTO's reference log-probs: of each row's answer, and of the mismatched answer its KL
+    baseline is estimated on (`ref_KL_logps`, for the losses with that baseline)."""
+
+    REF_COLUMNS = ("ref_logps", "ref_KL_logps")
+    ID_COLUMNS = ("prompt_ids", "completion_ids", "KL_completion_ids", "label")
+
+    def ref_columns(self) -> tuple[str, ...]:
+        return self.REF_COLUMNS if self.calculate_KL else self.REF_COLUMNS[:1]
+
 
 def save(
+    how: Method,
     recipe: Recipe,
     record: StageRecord,
     trainer: Any,
@@ -360,26 +541,25 @@ def save(
     evals: tuple[dict[str, float], dict[str, float]],
 ) -> None:
     """The adapter or whole model, the tokenizer (left padding, as generation needs), and the
-    manifest's method, outputs and metrics."""
-    cfg, (start, final) = recipe.dpo, evals
+    manifest's method (its section's own fields and the TRL trainer), outputs and metrics."""
+    cfg, (start, final) = getattr(recipe, how.name), evals
     tokenizer = trainer.processing_class
     tokenizer.padding_side = "left"  # what generation needs downstream
     tokenizer.save_pretrained(record.dir / "tokenizer")
     kind = "adapter" if recipe.model.lora.enabled else "model"
     extra = {"save_embedding_layers": False} if kind == "adapter" else {}
     trainer.model.save_pretrained(record.dir / kind, **extra)
+    shared = set(OfflineSection.model_fields) - {"beta"}
     record.manifest["method"] = {
-        "name": "dpo",
-        "loss_type": list(cfg.loss_type),
-        "loss_weights": cfg.loss_weights,
-        "beta": cfg.beta,
-        "label_smoothing": cfg.label_smoothing,
+        "name": how.name,
+        "trainer": how.trl.split(":")[1],
+        **cfg.model_dump(mode="json", exclude=shared),
     }
     record.manifest["outputs"] = {
         kind: kind,
         "tokenizer": "tokenizer",
         "metrics": "metrics.jsonl",
-        "ref_logps": REF_LOGPS,
+        **({"ref_logps": REF_LOGPS} if how.reference else {}),
     }
     record.manifest["base_model"] = recipe.model.name_or_path
     record.manifest["metrics"] = {
@@ -387,8 +567,8 @@ def save(
         **{k: v for k, v in final.items() if k.startswith(("eval_loss", "eval_rewards/"))},
         "train_loss": run_train_loss(record, result),
         "steps": result.global_step,
-        "train_pairs": len(trainer.train_dataset),
-        "eval_pairs": len(trainer.eval_dataset),
+        "train_rows": len(trainer.train_dataset),
+        "eval_rows": len(trainer.eval_dataset),
         "train_runtime_s": result.metrics.get("train_runtime"),
     }
     drop_checkpoints(record)  # the result is saved: the resumable state is no longer needed

@@ -81,7 +81,7 @@ def test_dpo_trains_and_a_rerun_reuses_the_reference_log_probs(
     manifest = json.loads(result.stdout)
     stage = Path(manifest["dir"])
     metrics = manifest["metrics"]
-    pairs = metrics["train_pairs"] + metrics["eval_pairs"]
+    pairs = metrics["train_rows"] + metrics["eval_rows"]
     # every pair's chosen and rejected answer scored once by the reference: train, then held out
     assert pairs >= 90 and sum(reference_forwards) == 2 * pairs
     assert manifest["reference"]["splits"] == {"train": "computed", "eval": "computed"}
@@ -99,7 +99,7 @@ def test_dpo_trains_and_a_rerun_reuses_the_reference_log_probs(
     assert metrics["eval_loss"] < metrics["eval_loss_start"] - 0.01
     assert metrics["eval_rewards/margins"] > 0.05
     rows = [r for r in read_metrics(stage / "metrics.jsonl") if "rewards/margins" in r]
-    assert len(rows) == metrics["steps"] == math.ceil(metrics["train_pairs"] / 16)
+    assert len(rows) == metrics["steps"] == math.ceil(metrics["train_rows"] / 16)
     assert rows[-1]["rewards/margins"] > rows[0]["rewards/margins"]
     assert rows[-1]["loss"] < rows[0]["loss"]
     for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"):
