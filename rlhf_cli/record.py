@@ -24,6 +24,7 @@ from rlhf_cli.recipe import Recipe
 from rlhf_cli.resume import resumable
 from rlhf_cli.rundir import (
     INHERITED,
+    OFFLINE_STAGES,
     STAGE_COMMANDS,
     InputRecord,
     Manifest,
@@ -146,6 +147,25 @@ def _base_hint(run: RunDir, stage: str) -> str:
             done = (other.read_manifest(stage) or {}).get("status") == "completed"
             if other.name != run.name and done:
                 return f", or take it from run '{other.name}': --set run.base={other.name}"
+    return ""
+
+
+def policy_stage(run: RunDir) -> str:
+    """The stage whose policy a run's commands take when none is named: `ppo` when the run has
+    one (or no offline stage), else its offline stage (`OFFLINE_STAGES`), the newest completed
+    one first: a DPO run is audited, compared and merged as a PPO run is."""
+    if run.manifest_path("ppo").is_file():
+        return "ppo"
+    found = [(_finished(run, s), s) for s in OFFLINE_STAGES if run.manifest_path(s).is_file()]
+    return max(found)[1] if found else "ppo"
+
+
+def _finished(run: RunDir, stage: str) -> str:
+    """When `stage` completed ('' when it did not, or its manifest is damaged)."""
+    with contextlib.suppress(StageError):
+        manifest = run.read_manifest(stage) or {}
+        if manifest.get("status") == "completed":
+            return manifest.get("finished_at") or ""
     return ""
 
 

@@ -33,12 +33,19 @@ STAGE_COMMANDS = {
     "rm": "rlhf train-rm",
     "ppo": "rlhf ppo",
     "dpo": "rlhf dpo",
+    "kto": "rlhf kto",
+    "orpo": "rlhf orpo",
+    "simpo": "rlhf simpo",
     "audit": "rlhf audit",
     "eval": "rlhf eval",
     "merged": "rlhf merge",
     "push": "rlhf push",
 }
 INHERITED = ("sft", "rm")  # stages a run may take from its `run.base`
+# the offline preference methods: each trains a policy from the SFT model on `data.preferences`
+# (instead of train-rm and ppo) into `<stage>/` with `adapter/` or `model/`, `tokenizer/` and a
+# manifest whose `method` names it; status, merge, push, audit, compare and eval take any of them
+OFFLINE_STAGES = ("dpo", "kto", "orpo", "simpo")
 VERSIONED_PACKAGES = (
     "torch",
     "transformers",
@@ -74,7 +81,7 @@ class ResumedFrom(TypedDict):
 
 
 class MergedFrom(TypedDict):
-    stage: str  # "ppo" or "sft"
+    stage: str  # "ppo", "sft" or one of OFFLINE_STAGES
     adapter: str
     base: str
 
@@ -103,7 +110,8 @@ class Manifest(TypedDict, total=False):
     error: str  # "<ExceptionType>: <first line>", when failed
     last_attempt: LastAttempt
     resumed_from: ResumedFrom  # sft, rm after --resume
-    base_model: str  # sft, ppo
+    base_model: str  # sft, ppo, OFFLINE_STAGES
+    method: dict[str, Any]  # OFFLINE_STAGES: the method's name and settings
     template: str  # rm
     max_length: int  # rm
     reward_model: str | None  # ppo

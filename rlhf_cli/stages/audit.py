@@ -1,4 +1,5 @@
-"""`rlhf audit`: the guide's reward-hacking audit (Part 10) on a policy or on given responses;
+"""`rlhf audit`: the guide's reward-hacking audit (Part 10) on a policy (PPO's, an offline
+method's, a checkpoint or a folder) or on given responses;
 with `audit.judge`, the judge's rewards beside the proxy's and their agreement.
 
 Exit code 1 when hacking is detected, so the command gates a shell pipeline.
@@ -17,7 +18,7 @@ from rlhf_cli.data import audit_prompts, read_responses
 from rlhf_cli.generation import require_engine
 from rlhf_cli.modeling import check_devices, pick_device
 from rlhf_cli.recipe import Recipe
-from rlhf_cli.record import StageRecord
+from rlhf_cli.record import StageRecord, policy_stage
 from rlhf_cli.resume import named_checkpoint
 from rlhf_cli.rundir import RunDir, atomic_write_json
 from rlhf_cli.stages.common import seed_everything
@@ -48,6 +49,7 @@ def run_audit(
             {"prompt": p, "response": r} for p, r in zip(prompts, responses, strict=True)
         ]
         label = f"responses-{responses_file.stem}"  # never a policy audit's or a stage file's
+        report["audited"] = str(responses_file)
     else:
         device = pick_device(recipe.run.device)
         check_devices(recipe, "audit")
@@ -55,12 +57,13 @@ def run_audit(
         require_engine(cfg.generation, "audit.generation")
         if checkpoint is not None and not checkpoint.exists():  # best, last, iter_N
             checkpoint = named_checkpoint(run.stage_dir("ppo"), str(checkpoint))
-        where = locate_policy(recipe, run, checkpoint, needed_by="rlhf audit")
+        stage = policy_stage(run)  # ppo, else an offline method's (dpo, ...)
+        where = locate_policy(recipe, run, checkpoint, needed_by="rlhf audit", stage=stage)
         policy = load_policy(where, recipe.model, device)
         generator = generation_engine(
             cfg.generation, policy.model, policy.tokenizer, recipe, run.path
         )
-        label = policy.label if checkpoint is not None else "ppo"
+        label = policy.label if checkpoint is not None else stage
         with console.status(f"auditing {label}: sampling {cfg.samples} responses per prompt"):
             report = audit_policy(
                 policy.model,
@@ -75,7 +78,7 @@ def run_audit(
                 seed=recipe.run.seed,
                 judge=load_judge(recipe, run, device, needed_by="rlhf audit"),
             )
-    report["audited"] = str(responses_file or checkpoint or run.stage_dir("ppo"))
+        report["audited"] = str(checkpoint or run.stage_dir(stage))
     with StageRecord(run, "audit", recipe, inputs={}) as record:
         earlier = record.previous_manifest()  # read under the lock: no audit's entry is lost
         record.replacing()

@@ -1,4 +1,5 @@
-"""`rlhf compare`: the guide's quick inference test, SFT and PPO answers side by side."""
+"""`rlhf compare`: the guide's quick inference test, SFT and PPO answers side by side (or the
+offline method's, `dpo` and the others, in a run trained by one)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from rlhf_cli.errors import StageError
 from rlhf_cli.generation import require_engine, row_seed, tokenize_prompts
 from rlhf_cli.modeling import pick_device
 from rlhf_cli.recipe import Recipe
+from rlhf_cli.record import policy_stage
 from rlhf_cli.rundir import RunDir
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import (
@@ -20,11 +22,13 @@ from rlhf_cli.stages.trained import (
 
 
 def run_compare(recipe: Recipe, prompts: list[str] | None = None) -> list[dict[str, Any]]:
-    """For each prompt: the SFT (reference) answer, the PPO answer, and their reward scores.
-    Seeded from `run.seed`, like the audit: the same call twice gives the same answers, and
-    both policies answer a prompt from the same seed."""
+    """For each prompt: the SFT (reference) answer, the trained policy's answer (keyed by its
+    stage, `policy_stage`: `ppo`, `dpo`, ...), and their reward scores. Seeded from
+    `run.seed`, like the audit: the same call twice gives the same answers, and both policies
+    answer a prompt from the same seed."""
     run = RunDir.for_recipe(recipe)
-    where = locate_policy(recipe, run, needed_by="rlhf compare")
+    stage = policy_stage(run)
+    where = locate_policy(recipe, run, needed_by="rlhf compare", stage=stage)
     device = pick_device(recipe.run.device)
     seed_everything(recipe.run.seed)
     gen = recipe.audit.generation
@@ -42,17 +46,17 @@ def run_compare(recipe: Recipe, prompts: list[str] | None = None) -> list[dict[s
     )
     generator = generation_engine(gen, policy.model, policy.tokenizer, recipe, run.path)
     seeds = [row_seed(recipe.run.seed, 0, row) for row in range(len(queries))]
-    ppo = generator.sync(policy.model)
-    answers = {"ppo": generator.generate(queries, gen, seeds, ppo).texts}
+    trained = generator.sync(policy.model)
+    answers = {stage: generator.generate(queries, gen, seeds, trained).texts}
     with policy.reference.model() as ref:
         sft = generator.sync(ref)
         answers["sft"] = generator.generate(queries, gen, seeds, sft).texts
     rows = [
-        {"prompt": p, "sft": s, "ppo": q}
-        for p, s, q in zip(prompts, answers["sft"], answers["ppo"], strict=True)
+        {"prompt": p, "sft": s, stage: q}
+        for p, s, q in zip(prompts, answers["sft"], answers[stage], strict=True)
     ]
     if scorer is not None:
-        for name in ("sft", "ppo"):
+        for name in ("sft", stage):
             scores, _ = scorer.score(prompts, answers[name])
             for row, score in zip(rows, scores.tolist(), strict=True):
                 row[f"{name}_score"] = score

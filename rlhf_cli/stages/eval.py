@@ -206,8 +206,11 @@ def prompts_of(suite: str, asked: list[Any]) -> list[str | Conversation]:
 
 
 def resolve_target(recipe: Recipe, run: RunDir, label: str) -> Target:
-    """`base`, `sft`, `ppo`, `merged`, a PPO checkpoint (`best`, `last`, `iter_N`) or a model
-    folder, found as audit and compare find them; nothing loads."""
+    """`base`, `sft`, `ppo`, an offline stage's policy (`dpo`, any of `OFFLINE_STAGES`),
+    `merged`, a PPO checkpoint (`best`, `last`, `iter_N`) or a model folder, found as audit and
+    compare find them; nothing loads."""
+    from rlhf_cli.rundir import OFFLINE_STAGES
+
     if label == "base":
         name = recipe.model.name_or_path
         tokenizer = recipe.model.tokenizer or name
@@ -226,7 +229,10 @@ def resolve_target(recipe: Recipe, run: RunDir, label: str) -> Target:
         return Target("sft", inputs["sft"]["path"], digest(inputs), inputs, load)
     if label == "ppo" or CHECKPOINT.fullmatch(label):
         folder = None if label == "ppo" else named_checkpoint(run.stage_dir("ppo"), label)
-        return located(recipe, label, locate_policy(recipe, run, folder, needed_by=NEEDED_BY))
+        where = locate_policy(recipe, run, folder, needed_by=NEEDED_BY, stage="ppo")
+        return located(recipe, label, where)
+    if label in OFFLINE_STAGES:
+        return located(recipe, label, locate_policy(recipe, run, needed_by=NEEDED_BY, stage=label))
     if label == "merged":
         require(run, "merged", NEEDED_BY)
         where = locate_policy(recipe, run, run.stage_dir("merged"), needed_by=NEEDED_BY)
@@ -235,7 +241,7 @@ def resolve_target(recipe: Recipe, run: RunDir, label: str) -> Target:
     if not folder.exists():
         raise StageError(
             f"rlhf eval: '{label}' is not base, sft, ppo, merged, best, last, iter_N or a "
-            "model folder"
+            f"model folder, nor an offline stage ({', '.join(OFFLINE_STAGES)})"
         )
     where = locate_policy(recipe, run, folder, needed_by=NEEDED_BY)
     name = f"{folder.resolve().name}-{digest(str(folder.resolve()))[:8]}"

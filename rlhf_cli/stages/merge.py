@@ -1,4 +1,6 @@
-"""`rlhf merge`: the LoRA adapter merged into its base (the guide's Part 11, Option B).
+"""`rlhf merge`: the LoRA adapter merged into its base (the guide's Part 11, Option B): PPO's,
+an offline method's (`--stage dpo`, any of `OFFLINE_STAGES`: on the SFT model it was trained
+from, as its manifest records it) or SFT's.
 
 The base is reloaded (never 4-bit) in `merge.dtype` when its checkpoint is stored in that
 dtype, else in float32, with the adapter in float32, and merged with `merge_and_unload`: peft
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -35,6 +37,7 @@ from rlhf_cli.record import StageRecord, require
 from rlhf_cli.resume import named_checkpoint
 from rlhf_cli.rundir import Manifest, RunDir
 from rlhf_cli.stages.trained import (
+    POLICY_STAGES,
     PolicyLocation,
     load_policy,
     locate_policy,
@@ -58,15 +61,15 @@ def load_dtype(base: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def _adapter_location(
-    recipe: Recipe, run: RunDir, stage: Literal["ppo", "sft"], checkpoint: str = "last"
+    recipe: Recipe, run: RunDir, stage: str, checkpoint: str = "last"
 ) -> tuple[Path, str, Path | None, str, dict[str, Any]]:
     """(the adapter to merge, the base it goes on and that base's SFT adapter, the tokenizer,
-    the stages it stands on), worked out before anything loads: the PPO policy where
-    `locate_policy` finds it (the final one, or `checkpoint`: `resume.named_checkpoint`), or
-    the SFT adapter on `model.name_or_path`."""
-    if stage == "ppo":
-        folder = named_checkpoint(run.stage_dir("ppo"), checkpoint)
-        where = locate_policy(recipe, run, folder, needed_by="rlhf merge")
+    the stages it stands on), worked out before anything loads: the PPO or offline policy
+    where `locate_policy` finds it (the final one, or PPO's `checkpoint`:
+    `resume.named_checkpoint`), or the SFT adapter on `model.name_or_path`."""
+    if stage in POLICY_STAGES:
+        folder = named_checkpoint(run.stage_dir("ppo"), checkpoint) if stage == "ppo" else None
+        where = locate_policy(recipe, run, folder, needed_by="rlhf merge", stage=stage)
         if where.kind == "checkpoint":
             return (_checkpoint_adapter(recipe, run, where), where.base, where.sft_adapter,
                     where.tokenizer, where.inputs)  # fmt: skip
@@ -95,13 +98,12 @@ def _checkpoint_adapter(recipe: Recipe, run: RunDir, where: PolicyLocation) -> P
 
 
 def run_merge(
-    recipe: Recipe,
-    console: Console,
-    stage: Literal["ppo", "sft"] = "ppo",
-    checkpoint: str = "last",
+    recipe: Recipe, console: Console, stage: str = "ppo", checkpoint: str = "last"
 ) -> Manifest:
-    """Merge the PPO (or SFT) adapter, the final one or a checkpoint's (`best`, `iter_N`);
-    write `runs/<name>/merged/`; return its manifest."""
+    """Merge the PPO adapter (the final one or a checkpoint's: `best`, `iter_N`), an offline
+    stage's (`OFFLINE_STAGES`) or SFT's; write `runs/<name>/merged/`; return its manifest."""
+    if checkpoint != "last" and stage != "ppo":
+        raise StageError(f"--checkpoint {checkpoint} names a PPO checkpoint: merge --stage ppo")
     from peft import PeftModel
 
     run = RunDir.for_recipe(recipe)

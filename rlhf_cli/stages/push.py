@@ -1,4 +1,6 @@
-"""`rlhf push`: publish the merged model (or the adapter, the guide's Option A) with a model card.
+"""`rlhf push`: publish the merged model (or the adapter, the guide's Option A) with a model card
+that names how the policy was trained: PPO, or an offline method (`OFFLINE_STAGES`) with its
+settings and inputs as its manifest records them.
 
 The token comes from `HF_TOKEN` or the user's saved login, never from the recipe or the command
 line, and it is never written: not to logs, manifests, the card, or error messages.
@@ -15,9 +17,9 @@ from rich.console import Console
 
 from rlhf_cli.errors import PushError, StageError
 from rlhf_cli.recipe import Recipe
-from rlhf_cli.record import StageRecord, require
+from rlhf_cli.record import StageRecord, policy_stage, require
 from rlhf_cli.resume import check_same_inputs
-from rlhf_cli.rundir import Manifest, RunDir, atomic_write_bytes
+from rlhf_cli.rundir import OFFLINE_STAGES, STAGE_COMMANDS, Manifest, RunDir, atomic_write_bytes
 from rlhf_cli.tracking import metrics_line, read_metrics
 
 
@@ -45,11 +47,7 @@ def _how_it_was_made(recipe: Recipe, run: RunDir) -> list[str]:
     if not audit["metrics"] and audits.get("last") == "ppo":  # written before `reports` was
         audit = audits
     p, a = recipe.ppo, recipe.audit
-    sft_settings = (
-        f"lr {recipe.sft.learning_rate}, {recipe.sft.epochs} epochs"
-        if recipe.sft.enabled
-        else "skipped (instruction-tuned base)"
-    )
+    sft_settings = _sft_settings(recipe)
     kl_mode = f"adaptive, target {p.target_kl}" if p.adaptive_kl else "fixed"
     reward = recipe.reward
     return [
@@ -73,6 +71,12 @@ def _how_it_was_made(recipe: Recipe, run: RunDir) -> list[str]:
     ]
 
 
+def _sft_settings(recipe: Recipe) -> str:
+    if not recipe.sft.enabled:
+        return "skipped (instruction-tuned base)"
+    return f"lr {recipe.sft.learning_rate}, {recipe.sft.epochs} epochs"
+
+
 FINAL_METRICS = (
     "env/reward_mean",
     "objective/kl",
@@ -88,6 +92,40 @@ def _final_metrics(run: RunDir) -> list[str]:
     last = rows[-1] if rows else {}
     return ["## Final PPO metrics", ""] + [
         f"- `{key}`: {last[key]:.4g}" for key in FINAL_METRICS if last.get(key) is not None
+    ]
+
+
+def _offline_made(recipe: Recipe, run: RunDir, stage: str) -> list[str]:
+    """The card's table for an offline method: SFT, then the method's settings (its manifest's
+    `method`), the inputs it trained on and its results."""
+    made = run.read_manifest(stage) or {}
+    sft = run.owner("sft").read_manifest("sft") or {}
+    method = made.get("method", {})
+    settings = ", ".join(f"{k} {v}" for k, v in method.items() if k != "name")
+    inputs = "; ".join(
+        f"{name} `{record['path']}`"
+        + (f" (sha256 {record['sha256'][:12]})" if "sha256" in record else "")
+        for name, record in made.get("inputs", {}).items()
+    )
+    memory = ("peak_memory", "planned_peak")
+    return [
+        "## How it was made",
+        "",
+        "| stage | settings | result |",
+        "|---|---|---|",
+        f"| SFT | {_sft_settings(recipe)} | {_metrics(sft, lambda k: k.startswith('eval_loss'))} |",
+        f"| {method.get('name', stage).upper()} | {settings}; inputs: {inputs} | "
+        f"{_metrics(made, lambda k: not k.startswith(memory))} |",
+        "",
+    ]
+
+
+def _offline_final_metrics(run: RunDir, stage: str) -> list[str]:
+    rows = [r for r in read_metrics(run.stage_dir(stage) / "metrics.jsonl") if "loss" in r]
+    last = rows[-1] if rows else {}
+    keys = ("loss", "rewards/margins", "rewards/accuracies", "rewards/chosen", "rewards/rejected")
+    return [f"## Final {stage.upper()} training metrics", ""] + [
+        f"- `{key}`: {last[key]:.4g}" for key in keys if last.get(key) is not None
     ]
 
 
@@ -110,35 +148,56 @@ def _how_to_load(repo: str, base: str, adapter_only: bool) -> list[str]:
     return ["## How to load", "", "```python", *code, "```", ""]
 
 
+def pushed_stage(run: RunDir, adapter_only: bool) -> str:
+    """The stage that trained what is pushed: the run's policy stage (`policy_stage`) for its
+    adapter, else the stage `rlhf merge` took (`merged_from`: ppo, sft, an offline one)."""
+    if adapter_only:
+        return policy_stage(run)
+    return (run.read_manifest("merged") or {}).get("merged_from", {}).get("stage", "ppo")
+
+
 def model_card(recipe: Recipe, run: RunDir, adapter_only: bool) -> str:
     """README.md of the pushed folder: what it is, how it was made, how to load it."""
     repo = recipe.push.repo_id
-    base = (run.read_manifest("ppo") or {}).get("base_model", recipe.model.name_or_path)
+    stage = pushed_stage(run, adapter_only)
+    offline = stage in OFFLINE_STAGES
+    trained = stage if offline else "ppo"
+    base = (run.read_manifest(trained) or {}).get("base_model", recipe.model.name_or_path)
+    how = (
+        f"{stage.upper()} from preference pairs, without a reward model,"
+        if offline
+        else "PPO from human-preference rewards"
+    )
     header = [
         "---",
         "library_name: " + ("peft" if adapter_only else "transformers"),
-        "tags: [rlhf, ppo, rlhf-cli]",
+        f"tags: [rlhf, {trained}, rlhf-cli]",
         "---",
         "",
         f"# {repo}",
         "",
-        f"A policy aligned with PPO from human-preference rewards by rlhf-cli (run "
-        f"`{run.name}`), starting from `{recipe.model.name_or_path}`.",
+        f"A policy aligned with {how} by rlhf-cli (run `{run.name}`), starting from "
+        f"`{recipe.model.name_or_path}`.",
         "",
     ]
     intended_use = [
         "",
         "## Intended use",
         "",
-        "Research and evaluation of RLHF-aligned assistants. Reward is relative to this run's "
-        "reward model and reference: check quality with an external benchmark (MT-Bench, "
-        "AlpacaEval, head-to-head win rates) before relying on it.",
+        "Research and evaluation of RLHF-aligned assistants. "
+        + (
+            "Its preference is the one of the pairs it was trained on, "
+            if offline
+            else "Reward is relative to this run's reward model and reference: "
+        )
+        + "check quality with an external benchmark (MT-Bench, AlpacaEval, head-to-head win "
+        "rates) before relying on it.",
         "",
     ]
     sections = [
         header,
-        _how_it_was_made(recipe, run),
-        _final_metrics(run),
+        _offline_made(recipe, run, stage) if offline else _how_it_was_made(recipe, run),
+        _offline_final_metrics(run, stage) if offline else _final_metrics(run),
         intended_use,
         _how_to_load(repo, base, adapter_only),
     ]
@@ -146,16 +205,19 @@ def model_card(recipe: Recipe, run: RunDir, adapter_only: bool) -> str:
 
 
 def push_folder(recipe: Recipe, run: RunDir, adapter_only: bool) -> Path:
-    """The folder to upload: the PPO adapter or the merged model, made from the SFT stage the
-    model card describes."""
-    stage, kind = ("ppo", "adapter") if adapter_only else ("merged", "model")
+    """The folder to upload: the policy stage's adapter (PPO's, or the offline method's) or the
+    merged model, made from the SFT stage the model card describes."""
+    trained = pushed_stage(run, adapter_only)
+    stage, kind = (trained, "adapter") if adapter_only else ("merged", "model")
     manifest = require(run, stage, "rlhf push --adapter-only" if adapter_only else "rlhf push")
     sft = run.owner("sft")
     if (sft.read_manifest("sft") or {}).get("status") == "completed":
         sft_now = {"sft": sft.input_record("sft")}
-        remedy = "the model card would describe another SFT; run `rlhf ppo` on this one"
+        offline = trained in OFFLINE_STAGES
+        command = STAGE_COMMANDS[trained if offline else "ppo"]
+        remedy = f"the model card would describe another SFT; run `{command}` on this one"
         if not adapter_only:
-            remedy += " and `rlhf merge`"
+            remedy += f" and `rlhf merge{f' --stage {trained}' if offline else ''}`"
         check_same_inputs(
             manifest, sft_now, ("sft",), f"the {stage} {kind} of run '{run.name}'", remedy
         )
@@ -191,11 +253,8 @@ def run_push(
     token = hub_token()
     if not token:
         raise PushError("no Hugging Face token: set HF_TOKEN or log in with `hf auth login`")
-    inputs = {
-        "merged" if not adapter_only else "ppo": run.input_record(
-            "ppo" if adapter_only else "merged"
-        )
-    }
+    pushed = pushed_stage(run, adapter_only) if adapter_only else "merged"
+    inputs = {pushed: run.input_record(pushed)}
     with StageRecord(run, "push", recipe, inputs=inputs) as record:
         url = upload(
             folder, repo_id, recipe.push.private, recipe.push.commit_message, token, console

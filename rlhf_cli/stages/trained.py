@@ -1,8 +1,9 @@
 """What audit, merge, compare, eval and ppo share: where a run's policy and reward model come
 from, loading a trained policy, and the check that a merged adapter still gives its logits.
 
-A policy can be: the run's final PPO output (`runs/<name>/ppo/`), one PPO checkpoint
-(`ppo/checkpoints/iter_NNNNN/`), an adapter folder, or a merged model folder. Each comes with its
+A policy can be: the run's final PPO output (`runs/<name>/ppo/`) or offline method's
+(`runs/<name>/dpo/`, any of `OFFLINE_STAGES`), one PPO checkpoint (`ppo/checkpoints/iter_NNNNN/`),
+an adapter folder, or a merged model folder. Each comes with its
 reference (the SFT model) when the run has one, so KL and reward can be compared.
 """
 
@@ -40,9 +41,9 @@ from rlhf_cli.modeling import (
 )
 from rlhf_cli.ppo.checkpoint import checkpoint_state
 from rlhf_cli.recipe import GenerationSection, ModelSection, Recipe, RewardSection
-from rlhf_cli.record import require
+from rlhf_cli.record import policy_stage, require
 from rlhf_cli.resume import PPO_INDEX, check_same_inputs
-from rlhf_cli.rundir import InputRecord, Manifest, RunDir
+from rlhf_cli.rundir import OFFLINE_STAGES, STAGE_COMMANDS, InputRecord, Manifest, RunDir
 from rlhf_cli.scoring import RewardScorer
 
 
@@ -81,13 +82,21 @@ def reward_source(
 
 
 def check_sft_fits(
-    made: Manifest | dict[str, Any], sft_now: dict[str, InputRecord], what: str, kind: str
+    made: Manifest | dict[str, Any],
+    sft_now: dict[str, InputRecord],
+    what: str,
+    kind: str,
+    stage: str = "ppo",
 ) -> None:
     """A policy stands on the SFT model it was made from: an adapter (or LoRA checkpoint) only
     fits it, and whole weights measure their KL against it. `made` (its manifest or checkpoint
-    state) must record the sft stage that `sft_now` holds."""
+    state) must record the sft stage that `sft_now` holds; `stage` trained it (the remedy
+    names its command)."""
     if kind == "adapter":
-        remedy = "the adapter only fits the SFT model it was trained on; run `rlhf ppo` on this one"
+        remedy = (
+            "the adapter only fits the SFT model it was trained on; run "
+            f"`{STAGE_COMMANDS[stage]}` on this one"
+        )
     else:
         remedy = "its KL would be measured against another reference; make one from this SFT"
     check_same_inputs(made, sft_now, ("sft",), what, remedy)
@@ -123,13 +132,16 @@ def _stage_manifest(folder: Path) -> Manifest | None:
     return run.read_manifest(stage)
 
 
+POLICY_STAGES = ("ppo", *OFFLINE_STAGES)  # the stages that train a policy from the SFT model
+
+
 def folder_kind(folder: Path) -> str:
-    """What a folder holds: a PPO `checkpoint`, a `ppo` or `merged` stage, an `adapter` or a
-    `model`; anything else is a StageError."""
+    """What a folder holds: a PPO `checkpoint`, a `ppo`, offline (`OFFLINE_STAGES`) or `merged`
+    stage, an `adapter` or a `model`; anything else is a StageError."""
     if (folder / PPO_INDEX).is_file():
         return "checkpoint"
     manifest = _stage_manifest(folder)
-    if manifest is not None and manifest.get("stage") in ("ppo", "merged"):
+    if manifest is not None and manifest.get("stage") in (*POLICY_STAGES, "merged"):
         return manifest["stage"]
     if (folder / "adapter_config.json").is_file():
         return "adapter"
@@ -139,21 +151,27 @@ def folder_kind(folder: Path) -> str:
 
 
 def locate_policy(
-    recipe: Recipe, run: RunDir, source: Path | None = None, *, needed_by: str
+    recipe: Recipe,
+    run: RunDir,
+    source: Path | None = None,
+    *,
+    needed_by: str,
+    stage: str | None = None,
 ) -> PolicyLocation:
-    """The policy at `source` (default: the run's final PPO policy), checked against the SFT
-    model it must stand on; `needed_by` (the command) names who asks in the errors of missing
-    stages. Nothing loads."""
-    folder = Path(source) if source is not None else run.stage_dir("ppo")
+    """The policy at `source` (default: the final policy of `stage`, else of `policy_stage`),
+    checked against the SFT model it must stand on; `needed_by` (the command) names who asks in
+    the errors of missing stages. Nothing loads."""
     if source is None:
-        require(run, "ppo", needed_by)
+        stage = stage or policy_stage(run)
+        require(run, stage, needed_by)
+    folder = Path(source) if source is not None else run.stage_dir(stage)
     if not folder.is_dir():
         what = "is a file, not" if folder.exists() else "does not exist: give"
         raise StageError(f"{folder} {what} a PPO run, checkpoint, adapter or model folder")
     kind = folder_kind(folder)
     inputs: dict[str, InputRecord] = {}
     base, sft_adapter, tokenizer = policy_source(recipe, run, inputs, needed_by)
-    label = folder.name if kind == "checkpoint" else run.name
+    label = folder.name if kind == "checkpoint" else kind if kind in OFFLINE_STAGES else run.name
     if kind == "checkpoint":
         if not recipe.model.lora.enabled:
             raise StageError(
@@ -161,13 +179,14 @@ def locate_policy(
                 "audit the final policy instead"
             )
         check_sft_fits(checkpoint_state(folder), inputs, f"the checkpoint {folder}", "adapter")
-    if kind in ("merged", "ppo"):
+    if kind in (*POLICY_STAGES, "merged"):
         owner, stage = RunDir.of_stage_dir(folder)
         manifest = require(owner, stage, needed_by)
-        if kind == "ppo":
+        if kind != "merged":
             tokenizer = str(owner.resolve_output(stage, manifest, "tokenizer"))
-        kind = "adapter" if "adapter" in manifest["outputs"] else "model"
-        check_sft_fits(manifest, inputs, f"the {stage} {kind} of run '{owner.name}'", kind)
+        kind = "adapter" if "adapter" in manifest["outputs"] else "model"  # merged: a model
+        what = f"the {stage} {kind} of run '{owner.name}'"
+        check_sft_fits(manifest, inputs, what, kind, stage)
         inputs[stage] = owner.input_record(stage)
         folder = owner.resolve_output(stage, manifest, kind)
     return PolicyLocation(kind, folder, tokenizer, base, sft_adapter, inputs, label)  # type: ignore[arg-type]
