@@ -410,9 +410,68 @@ def dpo(
 ) -> None:
     """Instead of reward model and PPO: DPO from the SFT policy on the preference pairs (TRL
     DPOTrainer, `dpo.loss_type`); the reference's log-probs computed once and kept."""
-    from rlhf_cli.stages.dpo import run_dpo
+    _offline("dpo", recipe, sets, resume, as_json, quiet, runs_dir)
 
-    _stage(functools.partial(run_dpo, resume=resume), "dpo", recipe, as_json, quiet, runs_dir, sets)
+
+@app.command(cls=_Command)
+@_exit_on_errors
+def kto(
+    recipe: RecipeOpt = None,
+    sets: SetOpt = None,
+    resume: ResumeOpt = False,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
+    """Instead of reward model and PPO: KTO from the SFT policy on thumbs-up/down rows
+    (`prompt`, `completion`, `label`; TRL KTOTrainer); the reference's log-probs kept."""
+    _offline("kto", recipe, sets, resume, as_json, quiet, runs_dir)
+
+
+@app.command(cls=_Command)
+@_exit_on_errors
+def orpo(
+    recipe: RecipeOpt = None,
+    sets: SetOpt = None,
+    resume: ResumeOpt = False,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
+    """Instead of reward model and PPO: ORPO from the SFT policy (or the base: `orpo.start`) on
+    the preference pairs, no reference model (TRL's experimental ORPOTrainer)."""
+    _offline("orpo", recipe, sets, resume, as_json, quiet, runs_dir)
+
+
+@app.command(cls=_Command)
+@_exit_on_errors
+def simpo(
+    recipe: RecipeOpt = None,
+    sets: SetOpt = None,
+    resume: ResumeOpt = False,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    runs_dir: RunsOpt = Path("runs"),
+) -> None:
+    """Instead of reward model and PPO: SimPO from the SFT policy on the preference pairs, no
+    reference model (TRL's experimental CPOTrainer, its simpo loss)."""
+    _offline("simpo", recipe, sets, resume, as_json, quiet, runs_dir)
+
+
+def _offline(
+    method: str,
+    recipe: Path | None,
+    sets: list[str] | None,
+    resume: bool,
+    as_json: bool,
+    quiet: bool,
+    runs_dir: Path,
+) -> None:
+    """One offline method's stage (`stages.dpo.METHODS`): its command, section and folder."""
+    from rlhf_cli.stages.dpo import run_offline
+
+    run = functools.partial(run_offline, method=method, resume=resume)
+    _stage(run, method, recipe, as_json, quiet, runs_dir, sets)
 
 
 @app.command(cls=_Command)
@@ -463,7 +522,10 @@ def audit(
 @_exit_on_errors
 def merge(
     stage: Annotated[
-        str, typer.Option("--stage", help="Which adapter to merge: ppo (default) or sft.")
+        str,
+        typer.Option(
+            "--stage", help="Which adapter to merge: ppo (default), dpo, kto, orpo, simpo or sft."
+        ),
     ] = "ppo",
     checkpoint: Annotated[
         str,
@@ -477,12 +539,17 @@ def merge(
     quiet: QuietOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:
-    """Merge the latest run's PPO LoRA adapter into its base (fp16/bf16, never 4-bit)."""
+    """Merge the latest run's PPO (or --stage's) LoRA adapter into its base (fp16/bf16, never
+    4-bit)."""
     from rlhf_cli.errors import RlhfError as UsageError
+    from rlhf_cli.rundir import OFFLINE_STAGES
     from rlhf_cli.stages.merge import run_merge
 
-    if stage not in ("ppo", "sft"):
-        raise UsageError(f"--stage must be ppo or sft, not '{stage}'")
+    if stage not in ("ppo", "sft", *OFFLINE_STAGES):
+        offline = ", ".join(OFFLINE_STAGES)
+        raise UsageError(
+            f"--stage must be ppo or sft, or an offline stage ({offline}), not '{stage}'"
+        )
     run = functools.partial(run_merge, stage=stage, checkpoint=checkpoint)
     _stage(run, "merged", recipe, as_json, quiet, runs_dir, sets)
 
