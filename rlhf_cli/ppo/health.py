@@ -206,9 +206,9 @@ def ranges_markdown() -> str:
     return "\n".join(lines)
 
 
-def rules_markdown() -> str:
-    """The table of `docs/troubleshooting.md`: each warning the loop prints, the metric that
-    shows it and the guide's fix."""
+def rules_markdown(rules: list[Rule] = RULES) -> str:
+    """A table of `docs/troubleshooting.md`: each warning of `rules` (the PPO loop's by
+    default), the metric that shows it and the guide's fix."""
     lines = ["| warning (`kind`) | metric | when it fires | fix |", "|---|---|---|---|"]
-    lines += [f"| `{r.kind}` | `{r.metric}` | {r.danger} | {r.fix} |" for r in RULES]
+    lines += [f"| `{r.kind}` | `{r.metric}` | {r.danger} | {r.fix} |" for r in rules]
     return "\n".join(lines)

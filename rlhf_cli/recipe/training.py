@@ -28,10 +28,10 @@ class TrainerSection(Section):
     )
     save_steps: int = described(
         500,
-        "Write a resumable checkpoint (`<stage>/checkpoints/checkpoint-N`, stage `sft`, `rm` or "
-        "`dpo`: weights, optimizer, scheduler, RNG) every N optimiser steps, keeping the newest "
-        "two; Ctrl-C and SIGTERM write one too, and `--resume` continues from the newest. 0: "
-        "only on Ctrl-C. A completed stage removes them.",
+        "Write a resumable checkpoint (`<stage>/checkpoints/checkpoint-N`, stage `sft`, `rm`, "
+        "`dpo`, `kto`, `orpo` or `simpo`: weights, optimizer, scheduler, RNG) every N optimiser "
+        "steps, keeping the newest two; Ctrl-C and SIGTERM write one too, and `--resume` "
+        "continues from the newest. 0: only on Ctrl-C. A completed stage removes them.",
         ge=0,
     )
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.console import Console
 
+from rlhf_cli.ppo import health
 from rlhf_cli.ppo.health import History, Rule
 from rlhf_cli.record import StageRecord
 from rlhf_cli.tracking import read_metrics
@@ -163,10 +164,5 @@ def report_health(record: StageRecord, console: Console, reference: bool, beta: 
 
 
 def rules_markdown() -> str:
-    """The table of `docs/troubleshooting.md`'s offline section: each sign, its metric, when
-    it fires and the fix."""
-    lines = ["| warning (`kind`) | metric | when it fires | fix |", "|---|---|---|---|"]
-    lines += [
-        f"| `{r.kind}` | `{r.metric}` | {r.danger} | {r.fix} |" for r in RULES + REFERENCE_RULES
-    ]
-    return "\n".join(lines)
+    """The table of `docs/troubleshooting.md`'s offline section."""
+    return health.rules_markdown(RULES + REFERENCE_RULES)
