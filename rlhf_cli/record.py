@@ -389,7 +389,14 @@ def _written_by(log: Path, command: str) -> bool:
     return first.split(" ", 1)[-1].startswith(f"{command}:")
 
 
-PLANNED = {"sft": "sft", "rm": "train-rm", "ppo": "ppo", "audit": "audit", "merged": "merge"}
+PLANNED = {
+    "sft": "sft",
+    "rm": "train-rm",
+    "ppo": "ppo",
+    "dpo": "dpo",
+    "audit": "audit",
+    "merged": "merge",
+}
 
 
 def reset_peak_memory() -> None:

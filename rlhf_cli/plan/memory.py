@@ -109,6 +109,34 @@ def plan_train_rm(recipe: Recipe, reward: ModelShape, target: Target) -> StagePl
     return _peak("train-rm", phases, target)
 
 
+def plan_dpo(recipe: Recipe, policy: ModelShape, target: Target) -> StagePlan:
+    """TRL's DPOTrainer: one micro-batch of `dpo.batch_size` pairs, chosen and rejected in one
+    pass (twice the rows, of `dpo.max_length`), their log-probs through TRL's fused LM head as
+    SFT's. The reference costs nothing under LoRA (the policy with its adapter disabled); else
+    it is a frozen copy in `model.dtype`, held by a first run, which computes its log-probs (a
+    rerun with the kept ones loads none)."""
+    cfg, model = recipe.dpo, recipe.model
+    e = _compute_bytes(model, target)
+    weights = weight_parts(policy, model, target, trains=True)
+    if model.lora.enabled:
+        weights["LoRA fp32"] = 4 * policy.lora_params
+    else:
+        stored = element_bytes(model.dtype, target)
+        weights[f"reference {dtype_name(stored)} (first run)"] = policy.params * stored
+    rows = 2 * cfg.batch_size
+    working = {
+        "activations": activation_bytes(
+            policy, rows * cfg.max_length, e, model.gradient_checkpointing
+        ),
+        **fused_head_parts(policy, rows * (cfg.max_length - 1), e, target),
+    }
+    trained = trainable_params(policy, model)
+    phases = training_phases(
+        sharded(weights, target), trained, target, working, cfg.gradient_accumulation_steps > 1
+    )
+    return _peak("dpo", phases, target)
+
+
 def ppo_lengths(recipe: Recipe) -> tuple[int, int]:
     """(prompt, response) tokens at most: `data.prompts.max_tokens`, `max_new_tokens`."""
     assert recipe.data.prompts is not None  # the recipe validator requires it
@@ -330,6 +358,12 @@ class Plan:
         }
 
 
+def offline_stages(recipe: Recipe) -> list[str]:
+    """The offline stages the plan sizes when asked (`--stage dpo`): another path than
+    train-rm and ppo, so never in the recipe's whole plan; only with `data.preferences`."""
+    return ["dpo"] if recipe.data.preferences is not None else []
+
+
 def recipe_stages(recipe: Recipe) -> list[str]:
     """The stages the recipe runs, in order."""
     stages = ["sft"] if recipe.sft.enabled else []
@@ -368,6 +402,7 @@ def plan_recipe(
         "ppo": lambda: plan_ppo(recipe, policy(), reward(), target),
         "audit": lambda: plan_audit(recipe, policy(), reward(), target),
         "merge": lambda: plan_merge_on(recipe, policy(), target),
+        "dpo": lambda: plan_dpo(recipe, policy(), target),
     }
     wanted = recipe_stages(recipe) if stages is None else stages
     return Plan({stage: build[stage]() for stage in wanted}, target)
@@ -382,7 +417,7 @@ def planned_stage_peak(recipe: Recipe, stage: str | None) -> int | None:
 
     import torch
 
-    if stage not in recipe_stages(recipe):
+    if stage not in recipe_stages(recipe) + offline_stages(recipe):
         return None
     from rlhf_cli.modeling import resolve_dtype
 

@@ -13,6 +13,7 @@ from rlhf_cli.plan import (
     SHARDINGS,
     Target,
     find_gpu,
+    offline_stages,
     parse_bytes,
     plan_recipe,
     read_configs,
@@ -63,7 +64,7 @@ def plan_command(
     PPO's `iteration_s`), `suggestions`, and `verdict`, the one line it ends with. `stages`:
     only these of the recipe's stages (the ones the user will run here)."""
     target = make_target(gpu, memory, processes, sharding, peaks)
-    runs = recipe_stages(recipe)
+    runs = recipe_stages(recipe) + offline_stages(recipe)  # an offline one only when asked
     for stage in stages or []:
         if stage not in runs:
             raise RlhfError(f"--stage {stage}: this recipe runs {', '.join(runs)}")

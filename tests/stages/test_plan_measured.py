@@ -11,6 +11,7 @@ longest batch a recipe allows, and a run on shorter rows would allocate less."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +123,36 @@ def test_plan_is_within_25_percent_of_what_torch_allocates(
     gaps = {stage: (planned - measured) / measured for stage, (measured, planned) in seen.items()}
     print({k: (round(m / 2**20, 2), round(p / 2**20, 2)) for k, (m, p) in seen.items()}, gaps)
     assert all(abs(gap) <= TOLERANCE for gap in gaps.values()), gaps
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full-weights"])
+def test_dpo_plan_is_within_25_percent_of_what_torch_allocates(lora, make_recipe, quiet_console):
+    """`rlhf dpo` after the tiny SFT: under LoRA the reference is the policy with its adapter
+    disabled (no second copy), with full weights a frozen copy the first run holds; two
+    optimizer steps or more of 8 pairs, every row cut to `dpo.max_length`."""
+    from typer.testing import CliRunner
+
+    from rlhf_cli.cli import app
+    from rlhf_cli.stages.sft import run_sft
+
+    path = make_recipe(
+        {
+            "model": {"lora": {"enabled": lora}},
+            "data": {"sft": {"max_samples": 40}, "preferences": {"max_samples": 48}},
+            "sft": {"epochs": 0.6, "max_length": 32},
+            "dpo": {"epochs": 0.4, "batch_size": 8, "max_length": 40},
+        }
+    )
+    recipe = load_recipe(path)
+    run_sft(recipe, quiet_console)
+    with LiveTensorBytes() as tracker:
+        result = CliRunner().invoke(app, ["dpo", "--recipe", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads(result.stdout)["metrics"]
+    assert metrics["steps"] == 3  # 41 pairs trained on, 8 a step, 0.4 of an epoch
+    planned = planned_stage_peak(recipe, "dpo")
+    assert metrics["planned_peak_bytes"] == planned
+    assert metrics["peak_memory_kind"] == "cpu_tensors"
+    gap = (planned - tracker.peak) / tracker.peak
+    print(round(tracker.peak / 2**20, 3), round(planned / 2**20, 3), gap)
+    assert abs(gap) <= TOLERANCE, (tracker.peak, planned)
