@@ -33,15 +33,6 @@ RewardFn = Callable[..., Any]
 ALWAYS_GIVEN = ("completion_ids", "step")  # keywords every call offers, whatever the data
 
 
-class Rewards(list):
-    """A reward function's values with counts the scorer logs (`metrics`, e.g. `no_answer`:
-    responses a verifier found no answer in), so no built-in's 0 is silent."""
-
-    def __init__(self, values: list[float], metrics: dict[str, float]):
-        super().__init__(values)
-        self.metrics = metrics
-
-
 def load_reward_function(spec: str, options: dict[str, Any] | None = None) -> RewardFn:
     """The callable `spec` names, with `options` bound as keyword arguments; ValueError (one
     line) when it cannot be imported, is not callable or takes no such option."""
@@ -153,10 +144,10 @@ def call_reward_function(
     responses: list[str],
     keywords: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """`fn`'s rewards as a float32 tensor (n,), with the counts it reports (`Rewards.metrics`);
-    `keywords` (the row's columns, `completion_ids`, `step`) are passed where `fn` accepts
-    them. A DataError naming `spec` when it raises or returns anything but one finite number
-    per response."""
+    """`fn`'s rewards as a float32 tensor (n,), with the counts it reports
+    (`verifiable.Rewards.metrics`); `keywords` (the row's columns, `completion_ids`, `step`)
+    are passed where `fn` accepts them. A DataError naming `spec` when it raises or returns
+    anything but one finite number per response."""
     accepted, _ = _parameters(fn)
     given = {k: v for k, v in (keywords or {}).items() if accepted is None or k in accepted}
     try:

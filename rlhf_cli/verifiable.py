@@ -4,10 +4,11 @@ whose answers a program can check (the guide's "reasoning tasks, DeepSeek-style"
 - `math_accuracy`: 1 when the answer equals the row's `solution` under math-verify, else 0
   (TRL's `accuracy_reward`). The answer is the last `\\boxed{}`'s content, else the text after
   the last `marker` (option; GSM8K's `####`), else, with no marker set, the last number
-  (`evals.checks.extract_answer`). Graded in the checks' worker process under a deadline
-  (`timeout_s`), so it works from any thread (Math-Verify #50). No answer found scores 0 and is
-  counted (`no_answer_rate`), as is a verdict past its deadline (`timeout_rate`) and a row with
-  no `solution` (`no_solution_rate`): the scorer logs them, never a silent 0 (verl PR #7789).
+  (`grading.extract_answer`, as `rlhf eval`'s checks read it). Graded in their worker process
+  under a deadline (`timeout_s`), so it works from any thread (Math-Verify #50). No answer
+  found scores 0 and is counted (`no_answer_rate`), as are a verdict past its deadline
+  (`timeout_rate`) and a row with no `solution` (`no_solution_rate`): the scorer logs them,
+  never a silent 0 (verl PR #7789).
 - `think_format`: 1 when the response is one `<think>...</think>` block followed by an answer.
 - `overlong`: DAPO's soft overlong punishment (eq. 13): 0 up to `max_length - cache` tokens,
   then linear down to -1 at `max_length`, -1 beyond; `max_length` (option, required: the
@@ -20,10 +21,21 @@ argument without a default is a required option."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
+from rlhf_cli.grading import BOXED, TIMEOUT, extract_answer, math_verdicts
 from rlhf_cli.recipe.names import BUILTIN_REWARDS
-from rlhf_cli.rewards import RewardFn, Rewards
+
+
+class Rewards(list):
+    """A reward function's values with counts the scorer logs (`metrics`, e.g. `no_answer`:
+    responses a verifier found no answer in), so no built-in's 0 is silent."""
+
+    def __init__(self, values: list[float], metrics: dict[str, float]):
+        super().__init__(values)
+        self.metrics = metrics
+
 
 THINK = re.compile(r"\s*<think>(?:(?!<think>).)*?</think>\s*\S", re.DOTALL)
 
@@ -32,8 +44,6 @@ def answer_of(response: str, marker: str | None) -> str | None:
     """The answer graded: the last `\\boxed{}`'s content, else the text after the last `marker`
     (the number in it when there is one), else, without a marker, the last number; None when
     there is none."""
-    from rlhf_cli.evals.checks import BOXED, extract_answer
-
     if marker is None or BOXED in response:
         return extract_answer(response)
     if marker not in response:
@@ -53,8 +63,6 @@ def math_accuracy(
     """1.0 for each response whose answer (`answer_of`) math-verify finds equal to its row's
     `solution` (the gold parsed first), else 0.0; the shares with no answer, no verdict in time
     and no solution in `metrics`."""
-    from rlhf_cli.evals.checks import TIMEOUT, math_verdicts
-
     answers = [answer_of(r, marker) for r in responses]
     graded = [
         i for i, a in enumerate(answers) if a is not None and a.strip() and solution[i] is not None
@@ -105,7 +113,7 @@ def overlong(
     return out
 
 
-BUILTINS: dict[str, RewardFn] = {
+BUILTINS: dict[str, Callable[..., Any]] = {
     "math_accuracy": math_accuracy,
     "think_format": think_format,
     "overlong": overlong,

@@ -20,35 +20,30 @@ answer.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import logging
 import math
 import os
 import re
-import selectors
 import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rlhf_cli.data.rows import describe, prompt_turns
 from rlhf_cli.data.sources import json_lines
-from rlhf_cli.errors import DataError, EvalError
+from rlhf_cli.errors import DataError
+from rlhf_cli.grading import (
+    BOXED,
+    TIMEOUT,
+    WORKER,
+    bounded,
+    extract_answer,
+    require_math_verify,
+)
 from rlhf_cli.recipe.eval import ChecksSection
-
-BOXED = "\\boxed{"
-# the last number: an integer or decimal, thousands commas allowed, or a fraction `a/b`
-NUMBER = re.compile(r"(?<![\d.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
-TIMEOUT = "timeout"
-WORKER = "from rlhf_cli.evals.checks import serve; serve()"
-WORKER_START_S = 120.0  # the worker's start-up and warm-up (imports, a first parse)
-INSTALL_HINT = "pip install 'rlhf-cli[eval]'"
-
 
 # ── instruction checks (IFEval-style), each a pure function of the answer ───────────────────────
 
@@ -201,35 +196,15 @@ def _check_golds(rows: list[dict[str, Any]], timeout_s: float) -> None:
     """Each math gold parses (in the worker, under the deadline, as answers are graded)."""
     if not rows:
         return
-    _require_math_verify()
-    parsed = _bounded([["gold", row["solution"]] for row in rows], timeout_s)
+    require_math_verify()
+    parsed = bounded([["gold", row["solution"]] for row in rows], timeout_s, WORKER)
     for row, ok in zip(rows, parsed, strict=True):
         if ok is not True:
             why = f"took over {timeout_s:g} s" if ok == TIMEOUT else "found no expression"
             raise DataError(f"{row['where']}: math-verify cannot parse `solution` ({why})")
 
 
-def _require_math_verify() -> None:
-    if importlib.util.find_spec("math_verify") is None:
-        raise EvalError(f"math checks need math-verify: {INSTALL_HINT}")
-
-
 # ── grading ─────────────────────────────────────────────────────────────────────────────────────
-
-
-def extract_answer(text: str) -> str | None:
-    """The answer a math grader reads: the content of the last `\\boxed{}` whose braces close,
-    else the last number (thousands commas dropped), else None."""
-    start = text.rfind(BOXED)
-    while start != -1:
-        depth, begin = 0, start + len(BOXED) - 1
-        for end in range(begin, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[end], 0)
-            if depth == 0:
-                return text[begin + 1 : end]
-        start = text.rfind(BOXED, 0, start)  # cut off before it closed: the one before
-    numbers = NUMBER.findall(text)
-    return numbers[-1].replace(",", "") if numbers else None
 
 
 def grade(cfg: ChecksSection, rows: list[dict[str, Any]], answers: list[str]) -> dict[str, Any]:
@@ -242,7 +217,7 @@ def grade(cfg: ChecksSection, rows: list[dict[str, Any]], answers: list[str]) ->
         raise ValueError(f"{len(answers)} answers to {len(rows)} rows")
     is_math = cfg.grader == "math"
     if is_math and any(row["solution"] is not None for row in rows):
-        _require_math_verify()
+        require_math_verify()
     extracted = [
         extract_answer(answer) if is_math and row["solution"] is not None else None
         for row, answer in zip(rows, answers, strict=True)
@@ -260,32 +235,21 @@ def _verdicts(
     """Per row: None (no solution), `correct`, `wrong`, `no_answer` or `timeout`; math and
     regex in the bounded worker, exact and contains here (they cannot hang)."""
     out: list[str | None] = [None] * len(rows)
-    bounded = []
+    in_worker = []
     for i, (row, answer) in enumerate(zip(rows, answers, strict=True)):
         if row["solution"] is None:
             continue
         if answer is None or not answer.strip():
             out[i] = "no_answer"
         elif cfg.grader in ("math", "regex"):
-            bounded.append(i)
+            in_worker.append(i)
         else:
             out[i] = _plain_verdict(cfg.grader, row["solution"], answer)
-    jobs = [["verdict", cfg.grader, rows[i]["solution"], answers[i]] for i in bounded]
-    verdicts = _bounded(jobs, cfg.timeout_s)
-    for i, verdict in zip(bounded, verdicts, strict=True):
+    jobs = [["verdict", cfg.grader, rows[i]["solution"], answers[i]] for i in in_worker]
+    verdicts = bounded(jobs, cfg.timeout_s, WORKER)
+    for i, verdict in zip(in_worker, verdicts, strict=True):
         out[i] = verdict
     return out
-
-
-def math_verdicts(golds: list[str], answers: list[str], timeout_s: float) -> list[str]:
-    """`correct`, `wrong`, `no_answer` (math-verify reads nothing in it) or `timeout` for each
-    extracted answer against its gold, in the bounded worker (the built-in reward
-    `builtin:math_accuracy` grades here too). Safe to call from any thread."""
-    _require_math_verify()
-    return _bounded(
-        [["verdict", "math", gold, answer] for gold, answer in zip(golds, answers, strict=True)],
-        timeout_s,
-    )
 
 
 def _plain_verdict(grader: str, solution: str, answer: str) -> str:
@@ -334,76 +298,6 @@ def _summary(results: list[dict[str, Any]], grader: str) -> dict[str, Any]:
 
 
 # ── the bounded worker ──────────────────────────────────────────────────────────────────────────
-
-
-def _bounded(jobs: list[list], timeout_s: float) -> list:
-    """Each job (`[name, *args]`, a function of `serve`'s table) run in a worker process, one at
-    a time, each given `timeout_s`: one without a result by then gives TIMEOUT, and its worker is
-    killed (the only way to stop a call that will not return) and a fresh one started."""
-    out: list[Any] = []
-    worker = None
-    try:
-        for job in jobs:
-            worker = worker or _Worker()
-            result = worker.ask(job, timeout_s)
-            if result is _Worker.NONE:
-                worker.kill()
-                worker = None
-            out.append(TIMEOUT if result is _Worker.NONE else result)
-    finally:
-        if worker is not None:
-            worker.kill()
-    return out
-
-
-class _Worker:
-    """`python -c WORKER`: a job a line on its stdin, the result a line on its stdout. A plain
-    subprocess, not multiprocessing: a spawned child re-runs the caller's main script (which
-    may lack the `__main__` guard) and a forked one inherits the locks of the caller's threads;
-    this one imports rlhf_cli alone. Warmed (imports, a first parse) before any deadline."""
-
-    NONE = object()  # no result: the deadline passed or the worker died
-
-    def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
-        )
-        self.pending = b""
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self.process.stdout, selectors.EVENT_READ)
-        if self.ask(["warm"], WORKER_START_S) is self.NONE:
-            self.kill()
-            raise EvalError(
-                f"the checks' worker process did not start (waited up to {WORKER_START_S:g} s; "
-                "its errors, if any, are above)"
-            )
-
-    def ask(self, job: list, timeout_s: float) -> Any:
-        deadline = time.monotonic() + timeout_s
-        try:
-            self.process.stdin.write((json.dumps(job) + "\n").encode())
-            self.process.stdin.flush()
-        except BrokenPipeError:
-            return self.NONE
-        while b"\n" not in self.pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.selector.select(left):
-                return self.NONE
-            chunk = os.read(self.process.stdout.fileno(), 1 << 16)
-            if not chunk:
-                return self.NONE
-            self.pending += chunk
-        line, _, self.pending = self.pending.partition(b"\n")
-        return json.loads(line)
-
-    def kill(self) -> None:
-        self.selector.close()
-        self.process.kill()
-        self.process.wait(timeout=30)
-        with contextlib.suppress(BrokenPipeError):  # a job left unsent to a worker that died
-            self.process.stdin.close()
-        self.process.stdout.close()
 
 
 def serve() -> None:

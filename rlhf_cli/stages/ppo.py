@@ -162,9 +162,7 @@ def setup(
     """Everything the loop needs, and the iteration to start after (0, or the checkpoint's)."""
     cfg, device, stage_dir = recipe.ppo, accelerator.device, run.stage_dir("ppo")
     # 1. Tokenizer, prompts, and the guide's "common mistakes" caught before training.
-    tokenizer, (prompts, queries, columns), heldout = prompt_inputs(
-        recipe, run, sources, record, console
-    )
+    tokenizer, train, heldout = prompt_inputs(recipe, run, sources, record, console)
 
     # 2. Models: frozen reward model, actor (policy + value), reference; the rollout engine.
     engine = engine_for(accelerator)
@@ -200,9 +198,7 @@ def setup(
         models=Models(engine, prepared_actor, reference, scorer, generator, tokenizer),
         state=state,
         hooks=Hooks(
-            audit=_live_audit(
-                recipe, tokenizer, reference, scorer, generator, (prompts, columns), heldout
-            ),
+            audit=_live_audit(recipe, tokenizer, reference, scorer, generator, train, heldout),
             evaluate=_live_eval(recipe, heldout, reference, (scorer, judge), generator),
         ),
         logs=RunLogs(
@@ -214,9 +210,9 @@ def setup(
             health=health,
             history=read_metrics(stage_dir / "metrics.jsonl", through=start),
         ),
-        prompts=prompts,
-        queries=queries,
-        columns=columns,
+        prompts=train[0],
+        queries=train[1],
+        columns=train[2],
         stage_dir=stage_dir,
         inputs=record.manifest["inputs"],
         **main_decides(accelerator, lambda: watch_from(checkpoint[0] if start else None)),
@@ -375,7 +371,7 @@ def _live_audit(
     reference: Reference,
     scorer: RewardScorer,
     generator: Generator,
-    *data: Prompts | tuple[list[str], list[dict[str, Any]]],
+    *data: Prompts,
 ) -> Callable[[PolicyAndValue, int], dict[str, Any]]:
     """`audit.every`: the same audit as `rlhf audit`, on the live policy (given whole), sampled
     by the rollout engine (the next rollout syncs it back to the policy). The frozen reference's

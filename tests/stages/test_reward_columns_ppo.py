@@ -59,12 +59,13 @@ def test_the_solution_column_reaches_rollouts_evaluation_and_audit(tmp_path, sma
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     for call in calls:  # every response's own row, whatever path scored it
         assert call["solution"] == [solution_of.get(p) for p in call["prompts"]]
-    rollouts = [c for c in calls if len(c["prompts"]) == 8]
+    audits = [c for c in calls if set(c["prompts"]) == set(audited)]  # each prompt `samples` times
+    assert audits and all(c["step"] == 2 for c in audits)
+    assert {s for c in audits for s in c["solution"]} == {"answer 0", None}  # None: not in the data
+    rollouts = [c for c in calls if len(c["prompts"]) == 8 and c not in audits]
     assert {c["step"] for c in rollouts} == {1, 2}  # each iteration's rollout
     heldout = [c for c in calls if len(c["prompts"]) == 6]  # 24 rows, a quarter held out
     assert heldout and all(c["step"] == 2 for c in heldout)
     assert {p for c in heldout for p in c["prompts"]}.isdisjoint(
         {p for c in rollouts for p in c["prompts"]}
     )
-    audits = [c for c in calls if c["prompts"] == audited]
-    assert audits and audits[0]["solution"] == ["answer 0", None] and audits[0]["step"] == 2
