@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     ValidationInfo,
@@ -41,13 +41,11 @@ class SourceSpec(Section):
         "or, with a hub `path`, file patterns inside that dataset. Files with different columns "
         "are read one by one.",
     )
-    columns: dict[str, str] = described(
+    columns: dict[Literal[COLUMNS], str] = described(  # type: ignore[valid-type]
         {},
         "The dataset's column for each of our names (LLaMA-Factory's `columns`): "
         "`{prompt: question, completion: answer}`. Ours: " + ", ".join(COLUMNS) + " (`input` is "
-        "appended to the prompt as Alpaca's; `system` becomes the conversation's system message). "
-        "In `data.prompts` any other name (`{solution: answer}`) renames an extra column, which "
-        "reaches the reward functions as a keyword argument (docs/rewards.md).",
+        "appended to the prompt as Alpaca's; `system` becomes the conversation's system message).",
     )
     max_samples: int | None = described(
         None, "Keep only the first N rows (after the split's slice).", ge=1
@@ -68,17 +66,6 @@ class SourceSpec(Section):
     @classmethod
     def _one_file(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
-
-    @field_validator("columns")
-    @classmethod
-    def _column_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for name in value:
-            if name not in COLUMNS and not name.isidentifier():
-                raise ValueError(
-                    f"{name!r} is neither one of ours ({', '.join(COLUMNS)}) nor a keyword "
-                    "argument name for a reward function"
-                )
-        return value
 
     @field_validator("split")
     @classmethod
@@ -177,6 +164,13 @@ class DataSource(StageSource):
 
 
 class PromptSource(StageSource):
+    columns: dict[str, str] = described(
+        {},
+        "The dataset's column for each of our names (`{prompt: question}`; ours: "
+        + ", ".join(COLUMNS)
+        + "), and for any other name a column renamed to it: an extra column, which reaches the "
+        "reward functions as a keyword argument (`{solution: answer}`, docs/rewards.md).",
+    )
     min_words: int = described(
         6,
         "Drop prompts with fewer words, counted over the whole conversation (the guide drops 5 "
@@ -192,6 +186,15 @@ class PromptSource(StageSource):
         "then the start of its last turn.",
         gt=0,
     )
+
+    @field_validator("columns")
+    @classmethod
+    def _column_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if name not in COLUMNS and not name.isidentifier():
+                raise ValueError(f"{name!r} is neither one of ours nor a keyword argument name")
+        return value
+
     eval_fraction: float = described(
         0.0,
         "Share of the prompts held out of PPO training (a fixed-seed draw: the same for every "
