@@ -322,7 +322,7 @@ def plan(
         list[str] | None,
         typer.Option(
             "--stage",
-            help="Plan only this stage (sft, train-rm, ppo, audit, merge); repeat for several.",
+            help="Plan only this stage (sft, train-rm, ppo, audit, merge, dpo); repeatable.",
         ),
     ] = None,
     as_json: JsonOpt = False,

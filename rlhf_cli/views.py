@@ -165,16 +165,19 @@ def all_runs(rows: list[dict[str, Any]], out: Console) -> None:
 
 
 def comparison(rows: list[dict[str, Any]], out: Console) -> None:
-    """`rlhf compare`: each prompt's SFT and PPO answers with their rewards."""
+    """`rlhf compare`: each prompt's SFT answer and the trained policy's (`ppo`, or the offline
+    stage that trained the run: `dpo`, ...), with their rewards."""
+    trained = next((k for k in rows[0] if k not in ("prompt", "sft") and not k.endswith("_score")),
+                   "ppo") if rows else "ppo"  # fmt: skip
     table = Table(show_lines=True)
-    for column in ("prompt", "SFT", "PPO"):
+    for column in ("prompt", "SFT", trained.upper()):
         table.add_column(column, overflow="fold")
     for row in rows:
         score = {
             k: f"\n[dim]reward {row[k + '_score']:+.3f}[/]" if k + "_score" in row else ""
-            for k in ("sft", "ppo")
+            for k in ("sft", trained)
         }
-        table.add_row(row["prompt"], row["sft"] + score["sft"], row["ppo"] + score["ppo"])
+        table.add_row(row["prompt"], row["sft"] + score["sft"], row[trained] + score[trained])
     out.print(table)
 
 

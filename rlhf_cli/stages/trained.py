@@ -267,9 +267,9 @@ def frozen_scorer(
     """A frozen reward model (eval mode, dropout off) with its own tokenizer (right padding)
     as a scorer of (prompt, response) encoded as `cfg.input` says, plus `reward.functions` and
     `reward.url`; those alone when `model_path` is None."""
-    from rlhf_cli.rewards import RemoteReward, load_reward_function
+    from rlhf_cli.rewards import RemoteReward
 
-    functions = [(f.function, load_reward_function(f.function), f.weight) for f in cfg.functions]
+    functions = [(f.function, f.load(), f.weight) for f in cfg.functions]
     if cfg.url is not None:
         remote = RemoteReward(cfg.url, cfg.template, cfg.url_timeout, cfg.url_retries)
         functions.append((cfg.url, remote, 1.0))

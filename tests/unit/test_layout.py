@@ -13,6 +13,8 @@ STAGE_HELPERS = {
     "rlhf_cli.stages.trainers",
     "rlhf_cli.stages.trained",
     "rlhf_cli.stages.data_figures",
+    "rlhf_cli.stages.offline_health",  # the offline stages' health table
+    "rlhf_cli.stages.reference_cache",  # the offline stages' reference log-probs
 }
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 500
