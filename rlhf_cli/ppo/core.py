@@ -433,6 +433,28 @@ def tis_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> T
     return torch.exp(old_logprobs - sampler_logprobs).clamp(max=cap).detach()
 
 
+def log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, level: str) -> Tensor:
+    """``log π − log π_old`` per token (b, r) (``level="token"``), or each response's mean of
+    it over its valid tokens, (b, 1), broadcast over the tokens (``"sequence"``, GSPO's
+    length-normalised sequence ratio; an empty response's is 0)."""
+    diff = logprobs - old_logprobs
+    if level == "token":
+        return diff
+    if level != "sequence":
+        raise ValueError(f"unknown importance-ratio level {level!r}; token or sequence")
+    m = mask.to(diff.dtype)
+    return ((diff * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+
+
+def uniform_groups(scores: Tensor, group_size: int) -> Tensor:
+    """(n,) bool, True on every row of a group of ``group_size`` consecutive rows whose scores
+    are all equal: zero spread, so a group estimator (rloo, grpo) gives them zero advantage
+    and no gradient (DAPO's dynamic sampling drops them)."""
+    groups = scores.view(-1, group_size)
+    same = (groups == groups[:, :1]).all(dim=1)
+    return same.repeat_interleave(group_size)
+
+
 def ppo_policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -443,10 +465,15 @@ def ppo_policy_loss(
     cliprange_high: float | None = None,
     aggregation: str = "token_mean",
     norm_len: int | None = None,
+    level: str = "token",
 ) -> tuple[Tensor, Tensor]:
-    """Clipped surrogate policy loss. [PPO eq. 7, TRL ``loss``; DAPO sec. 3.1 clip-higher]
+    """Clipped surrogate policy loss. [PPO eq. 7, TRL ``loss``; DAPO sec. 3.1 clip-higher;
+    GSPO, Zheng et al. 2025, eq. 5-7]
 
-    ``ratio = exp(logprobs - old_logprobs)``;
+    ``ratio = exp(logprobs - old_logprobs)`` per token, or with ``level="sequence"`` one per
+    response, ``exp(mean over its tokens of (logprobs - old_logprobs))``, on every token of it
+    (TRL's ``importance_sampling_level="sequence"``: no stop-gradient, the ratio's own gradient
+    is GSPO's, ``s_i`` times the mean of the tokens' score functions);
     ``loss = aggregate(max(-A * ratio, -A * clamp(ratio, 1 - eps_low, 1 + eps_high)))``
     (the negation of PPO's min objective), ``eps_low = cliprange``, ``eps_high =
     cliprange_high`` (``cliprange`` when None: the symmetric clip).
@@ -461,6 +488,7 @@ def ppo_policy_loss(
             None.
         cliprange_high: the upper epsilon, or None.
         aggregation, norm_len: how the per-token losses become one (``aggregate_loss``).
+        level: ``"token"`` or ``"sequence"`` importance ratios (``log_ratio``).
 
     Returns:
         ``(loss, clipfrac)`` scalar tensors; ``clipfrac`` is the share of valid
@@ -468,7 +496,7 @@ def ppo_policy_loss(
         aggregation).
     """
     high = cliprange if cliprange_high is None else cliprange_high
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = torch.exp(log_ratio(logprobs, old_logprobs, mask, level))
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
     per_token = torch.max(pg_losses, pg_losses2)

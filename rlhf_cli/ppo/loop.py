@@ -245,7 +245,8 @@ def minibatch_loss(
     kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The PPO loss of rollouts `idx` (b_mb of them) under the current policy, and its parts:
-    the clipped surrogate (`cliprange`, `cliprange_high`), the clipped value loss (with a
+    the clipped surrogate (`cliprange`, `cliprange_high`; per-token or per-answer ratios,
+    `importance_ratio`), the clipped value loss (with a
     critic), the entropy bonus, and with `kl_in: loss` β × the KL estimate to the reference
     (differentiable, GRPO's placement; weighted by π/π_old with `kl_importance_weight`). Each
     loss term is aggregated over this process's rows as `loss_aggregation` says (verl's
@@ -269,8 +270,9 @@ def minibatch_loss(
     if cap is not None and sampled is not None:
         weights = core.tis_weights(rollout.warped_logprobs[idx], sampled[idx].to(old.device), cap)
     pg_loss, clipfrac = core.ppo_policy_loss(
-        logprobs, old, advantages[idx], mask, cfg.cliprange, weights, cfg.cliprange_high, **how
-    )
+        logprobs, old, advantages[idx], mask, cfg.cliprange, weights, cfg.cliprange_high,
+        level=cfg.importance_ratio, **how,
+    )  # fmt: skip
     with nullcontext() if cfg.entropy_coef > 0 else torch.no_grad():
         scaled = logits.float() / score_temperature(cfg.generation)  # the full distribution
         entropy = core.entropy_from_logits(scaled)

@@ -38,8 +38,13 @@ from rlhf_cli.generation import (
     row_seed,
 )
 from rlhf_cli.modeling import Reference
-from rlhf_cli.ppo.core import RunningMoments
-from rlhf_cli.ppo.distributed import answered_everywhere, prompt_rows
+from rlhf_cli.ppo.core import RunningMoments, uniform_groups
+from rlhf_cli.ppo.distributed import (
+    answered_everywhere,
+    any_process,
+    global_rows,
+    prompt_rows,
+)
 from rlhf_cli.ppo.experience import Draft, Rollout
 from rlhf_cli.ppo.models import PolicyAndValue
 from rlhf_cli.ppo.run import PPORun
@@ -87,38 +92,138 @@ def collect_rollout(run: PPORun, iteration: int) -> Rollout:
     cfg, acc, models = run.recipe.ppo, run.accelerator, run.models
     kl_coef = run.state.kl_ctl.value
     with acc.autocast(), models.engine.gathered(models.actor) as actor:
-        draft, answers, waited, generating = answered_everywhere(
+        draft, answers, waited, generating, published = answered_everywhere(
             acc, lambda: answered_draft(run, iteration, actor.policy)
         )
+        index, sampled = draft.index, {}
+        if cfg.dynamic_sampling:
+            start = time.perf_counter()
+            index, answers, sampled = refilled(run, iteration, published, index, answers)
+            generating += time.perf_counter() - start
         rollout = rollout_batch(
             actor,
             models.reference if kl_coef > 0 else None,
             models.scorer,
             answers,
-            [run.prompts[i] for i in draft.index],
+            [run.prompts[i] for i in index],
             cfg,
             run.state.score_moments,
             lambda x: acc.gather(x.to(acc.device)).cpu(),
             old_logprobs=not old_logprobs_at_update(cfg, kl_coef),
-            keywords={**reward_keywords([run.columns[i] for i in draft.index]), "step": iteration},
+            keywords=keywords_of(run, index, iteration),
         )
+    rollout.timings.update(sampled)
     rollout.timings["time/rollout_s"] = waited  # what the loop waited for its answers
     rollout.timings["time/generate_s"] = generating  # what answering them took
     rollout.staleness = iteration - 1 - draft.version
     return rollout
 
 
+def keywords_of(run: PPORun, index: list[int], iteration: int) -> dict[str, Any]:
+    """What the reward functions get beside the texts for prompts `index`: their rows' extra
+    columns and the step."""
+    return {**reward_keywords([run.columns[i] for i in index]), "step": iteration}
+
+
+def refilled(
+    run: PPORun,
+    iteration: int,
+    published: PolicyVersion | None,
+    index: list[int],
+    answers: Generations,
+) -> tuple[list[int], Generations, dict[str, float]]:
+    """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): this process's prompts and answers
+    with every group whose answers all score the same (no gradient under rloo or grpo)
+    replaced, where a later batch has one that does not, and the numbers logged.
+
+    Round n (n = 1, 2, ...) draws a whole fresh batch (its seeds: rows n × batch_size + row of
+    `row_seed`) and fills each open slot of the batch with the group at the same slot, when
+    that group is not uniform. A slot's rows sit at the same positions of the same processes in
+    every round (`prompt_rows`), so each process fills its own rows; whether a group is uniform
+    is decided on the global batch (`global_rows`), alike everywhere, and whether another round
+    is drawn by a collective every process reaches (`any_process`): every process makes the
+    same generate calls. After `dynamic_sampling_max_rounds` batches the slots still open keep
+    their first, uniform group: trained on with no gradient from it."""
+    cfg, acc, k = run.recipe.ppo, run.accelerator, run.recipe.ppo.num_generations
+    rows_of = global_rows(acc)
+
+    def uniform(idx: list[int], batch: Generations) -> torch.Tensor:
+        with torch.inference_mode():
+            scores = run.models.scorer.scored(
+                [run.prompts[i] for i in idx], batch.texts, keywords_of(run, idx, iteration)
+            ).rewards
+        shaped = shaped_scores(scores, batch.ended, cfg)  # what the advantages compare
+        return rows_of(lambda g: uniform_groups(g, k).float(), shaped).bool()
+
+    index, kept = list(index), [answers]
+    pick = torch.zeros(len(index), dtype=torch.long)
+    still = uniform(index, answers)
+    dropped, rounds = [still.clone()], 1
+    while rounds < cfg.dynamic_sampling_max_rounds and any_process(acc, bool(still.any())):
+        draft = ask_rollout(run, iteration, published, batch_round=rounds)
+        fresh = answered_everywhere(acc, lambda: draft.answers.result()[0])  # noqa: B023
+        flat = uniform(draft.index, fresh)
+        fill = still & ~flat
+        for row in fill.nonzero().flatten().tolist():
+            index[row], pick[row] = draft.index[row], rounds
+        still &= flat
+        dropped.append(flat)
+        kept.append(fresh)
+        rounds += 1
+    counts = torch.tensor(
+        [float(torch.cat(dropped).sum()), float(sum(len(d) for d in dropped)), float(still.sum())],
+        device=acc.device,
+    )
+    uniform_rows, all_rows, left = acc.reduce(counts, "sum").tolist()
+    metrics = {
+        "rollout/dropped_groups_rate": uniform_rows / all_rows,
+        "rollout/sampling_rounds": float(rounds),
+        "rollout/uniform_groups_kept": left / k,
+    }
+    return index, merged_rows(kept, pick), metrics
+
+
+def merged_rows(batches: list[Generations], pick: torch.Tensor) -> Generations:
+    """Row i of `batches[pick[i]]`, for every row: queries left-padded and responses
+    right-padded to the widest picked (pads masked out, id 0)."""
+    if not bool(pick.any()):
+        return batches[0]
+    rows = [(batches[int(b)], i) for i, b in enumerate(pick.tolist())]
+    p = max(int(b.query_ids.shape[1]) for b, _ in rows)
+    r = max(int(b.response_ids.shape[1]) for b, _ in rows)
+
+    def left(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (p - t.shape[-1], 0))
+
+    def right(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, r - t.shape[-1]))
+
+    with_logprobs = all(b.sampler_logprobs is not None for b, _ in rows)
+    return Generations(
+        query_ids=torch.stack([left(b.query_ids[i]) for b, i in rows]),
+        query_mask=torch.stack([left(b.query_mask[i]) for b, i in rows]),
+        response_ids=torch.stack([right(b.response_ids[i]) for b, i in rows]),
+        response_mask=torch.stack([right(b.response_mask[i]) for b, i in rows]),
+        ended=torch.stack([b.ended[i] for b, i in rows]),
+        texts=[b.texts[i] for b, i in rows],
+        sampler_logprobs=(
+            torch.stack([right(b.sampler_logprobs[i]) for b, i in rows]) if with_logprobs else None
+        ),
+    )
+
+
 def answered_draft(
     run: PPORun, iteration: int, policy: Any
-) -> tuple[Draft, Generations, float, float]:
+) -> tuple[Draft, Generations, float, float, PolicyVersion | None]:
     """Iteration `iteration`'s draft, answered (by `policy`, the latest weights, unless it was
-    asked for ahead), with its answers, the seconds waited for them and the seconds answering
-    took; with `async_steps` the later iterations' drafts are asked for, from `policy`.
-    Generation alone: no collective."""
+    asked for ahead), with its answers, the seconds waited for them, the seconds answering
+    took and the policy handle it was asked of when that was now (None: asked for ahead); with
+    `async_steps` the later iterations' drafts are asked for, from `policy`. Generation alone:
+    no collective."""
     cfg, generator, drafts = run.recipe.ppo, run.models.generator, run.drafts
     start = time.perf_counter()
     draft = drafts.pending.pop(iteration, None)
-    synced = draft is None
+    synced, published = draft is None, None
     if draft is None:
         published = generator.sync(policy)  # a separate engine gets the latest weights
         draft = ask_rollout(run, iteration, published)
@@ -131,21 +236,27 @@ def answered_draft(
         for later in range(iteration + 1, last + 1):
             if later not in drafts.pending:
                 drafts.pending[later] = ask_rollout(run, later, published, iteration - 1)
-    return draft, answers, waited, generating
+    return draft, answers, waited, generating, published if synced else None
 
 
 def ask_rollout(
-    run: PPORun, iteration: int, published: PolicyVersion, version: int | None = None
+    run: PPORun,
+    iteration: int,
+    published: PolicyVersion,
+    version: int | None = None,
+    batch_round: int = 0,
 ) -> Draft:
     """Ask the rollout engine for iteration `iteration`'s answers: this process's prompts drawn
     now, each row from its seed; answered (in the drafts' thread) by the policy `published`
-    names (`version`: the PPO updates it has seen, iteration - 1 when it is the latest)."""
+    names (`version`: the PPO updates it has seen, iteration - 1 when it is the latest).
+    `batch_round` n > 0: dynamic sampling's n-th extra batch, seeded apart (`refilled`)."""
     cfg, acc, generator = run.recipe.ppo, run.accelerator, run.models.generator
     index = prompt_rows(
         acc, len(run.prompts), cfg.batch_size, cfg.num_generations, run.state.sampler
     )
     rows = range(acc.process_index, cfg.batch_size, acc.num_processes)  # global batch rows
-    seeds = [row_seed(run.recipe.run.seed, iteration, row) for row in rows]
+    offset = batch_round * cfg.batch_size
+    seeds = [row_seed(run.recipe.run.seed, iteration, offset + row) for row in rows]
     queries = [run.queries[i] for i in index]
     version = iteration - 1 if version is None else version
 

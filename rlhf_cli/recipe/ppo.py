@@ -193,6 +193,25 @@ class PpoSection(Section):
         "need at least 2).",
         ge=1,
     )
+    dynamic_sampling: bool = described(
+        False,
+        "DAPO's dynamic sampling (rloo, grpo): a group whose answers all score the same gives "
+        "no gradient; drop it and fill its place with a fresh prompt's group, sampling again "
+        "up to `dynamic_sampling_max_rounds` batches an iteration (`rollout/dropped_groups_rate`, "
+        "`rollout/sampling_rounds`); docs/ppo.md#dynamic-sampling.",
+    )
+    dynamic_sampling_max_rounds: int = described(
+        3,
+        "Most batches generated an iteration with `dynamic_sampling`; groups still uniform "
+        "then are trained on as they are (no gradient from them: `rollout/uniform_groups_kept`).",
+        ge=1,
+    )
+    importance_ratio: Literal["token", "sequence"] = described(
+        "token",
+        "The clipped surrogate's importance ratio: per token (PPO, GRPO), or one per answer, "
+        "exp of the mean over its tokens of log π − log π_old, on every token of it (GSPO, "
+        "TRL's `importance_sampling_level: sequence`); docs/ppo.md#sequence-level-ratios.",
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = described(
         "k1",
         "Per-token estimator of KL(π‖π_ref) used for the penalty (Schulman's k1 = log π/π_ref, "
@@ -271,6 +290,18 @@ class PpoSection(Section):
         "they are evaluated at the end in any case.",
         gt=0,
     )
+    eval_samples_per_prompt: int = described(
+        1,
+        "Answers sampled per held-out prompt: with n > 1 the evaluation adds `eval/mean_at_k` "
+        "(the mean reward over a prompt's n) and the unbiased `eval/pass_at_1`, "
+        "`eval/pass_at_<n>` (Chen et al. 2021); docs/ppo.md#pass-at-k.",
+        ge=1,
+    )
+    pass_threshold: float = described(
+        1.0,
+        "A held-out answer passes when its reward is at least this (1.0: a right answer "
+        "under a 0/1 verifiable reward).",
+    )
     save_freq: int = described(50, "Checkpoint every N iterations (and at the end).", gt=0)
     log_every: int = described(
         25, "Console health block and samples.jsonl every N iterations.", gt=0
@@ -299,6 +330,17 @@ class PpoSection(Section):
             raise ValueError(
                 f"num_generations: {self.advantage_estimator} compares each completion with "
                 "the prompt's others; set ppo.num_generations to 2 or more"
+            )
+        if self.dynamic_sampling and not ESTIMATORS[self.advantage_estimator].grouped:
+            raise ValueError(
+                f"dynamic_sampling: drops groups of a prompt's answers that all score the "
+                f"same, which needs a group estimator (rloo, grpo), not "
+                f"{self.advantage_estimator}"
+            )
+        if self.dynamic_sampling and self.generation.async_steps:
+            raise ValueError(
+                "dynamic_sampling: refills the batch from the latest weights, which needs "
+                "generation.async_steps 0"
             )
         return self
 
