@@ -5,6 +5,7 @@ with a judge (`audit.judge`), its rewards beside the proxy's. Used by `rlhf audi
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -221,6 +222,31 @@ def judge_metrics(
     }
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from n answers to a prompt, c of them right (Chen et al.
+    2021, eq. 1): 1 − C(n−c, k)/C(n, k), the chance that k of the n drawn without replacement
+    hold a right one; never the best of k answers, which is biased low."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= n and 0 <= c <= n (n={n}, c={c})")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def sampled_metrics(scores: torch.Tensor, n: int, threshold: float) -> dict[str, float]:
+    """`eval/*` numbers of n answers a prompt, scores (prompts × n,) with each prompt's answers
+    consecutive: the mean reward over a prompt's n (`mean_at_k`), and the unbiased pass@1 and
+    pass@n of answers scoring at least `threshold`, each a mean over the prompts."""
+    right = (scores.view(-1, n) >= threshold).sum(1).tolist()
+    metrics = {"eval/mean_at_k": float(scores.mean())}
+    for k in sorted({1, n}):
+        metrics[f"eval/pass_at_{k}"] = sum(pass_at_k(n, c, k) for c in right) / len(right)
+    return metrics
+
+
+def repeated(rows: list[Any], n: int) -> list[Any]:
+    """Each row n times, consecutively."""
+    return [row for row in rows for _ in range(n)]
+
+
 def heldout_eval(
     model: Any,
     prompts: list[str],
@@ -236,13 +262,21 @@ def heldout_eval(
     batch_size: int = 16,
     keywords: dict[str, list[Any]] | None = None,
     step: int | None = None,
+    samples_per_prompt: int = 1,
+    pass_threshold: float = 1.0,
 ) -> tuple[dict[str, float], ReferenceScores]:
     """The policy's answers to held-out `prompts` (each row seeded) scored by the reward model
     (and the judge) against the reference's answers to the same prompts from the same seeds:
     `eval/*` metrics, and the reference's scores (pass them back in: the reference does not
     change). The reward functions get `keywords` (each prompt's extra columns), `step` when
     given and the answers' `completion_ids`; what they count is `eval/<name>` (e.g.
-    `eval/no_answer_rate`)."""
+    `eval/no_answer_rate`). With `samples_per_prompt` n > 1 every prompt is answered n times
+    (the policy and the reference alike), every number is over all the answers, and
+    `sampled_metrics` adds mean@k and the unbiased pass@1 and pass@n (`pass_threshold`)."""
+    n = samples_per_prompt
+    if n > 1:
+        prompts, queries = repeated(prompts, n), repeated(queries, n)
+        keywords = {key: repeated(values, n) for key, values in (keywords or {}).items()}
     was_training = model.training
     model.eval()
     policy = generator.sync(model)
@@ -271,6 +305,8 @@ def heldout_eval(
         "eval/length_mean": float(lengths.mean()),
         **{f"eval/{key.partition('/')[2]}": value for key, value in scored.metrics.items()},
     }
+    if n > 1:
+        metrics.update(sampled_metrics(scores, n, pass_threshold))
     if judge is not None and reference_scores.judge is not None:
         judged = judge.score(prompts, texts, given)[0].float()
         reference_pair = (reference_scores.proxy, reference_scores.judge)
