@@ -210,7 +210,7 @@ class PpoSection(Section):
         "token",
         "The clipped surrogate's importance ratio: per token (PPO, GRPO), or one per answer, "
         "exp of the mean over its tokens of log π − log π_old, on every token of it (GSPO, "
-        "TRL's `importance_sampling_level: sequence`); docs/ppo.md#sequence-level-ratios.",
+        "TRL's `importance_sampling_level: sequence`); docs/ppo.md#sequence-level-ratios-gspo.",
     )
     kl_estimator: Literal["k1", "k2", "k3"] = described(
         "k1",
@@ -294,7 +294,7 @@ class PpoSection(Section):
         1,
         "Answers sampled per held-out prompt: with n > 1 the evaluation adds `eval/mean_at_k` "
         "(the mean reward over a prompt's n) and the unbiased `eval/pass_at_1`, "
-        "`eval/pass_at_<n>` (Chen et al. 2021); docs/ppo.md#pass-at-k.",
+        "`eval/pass_at_<n>` (Chen et al. 2021); docs/ppo.md#passk-in-the-held-out-evaluation.",
         ge=1,
     )
     pass_threshold: float = described(
