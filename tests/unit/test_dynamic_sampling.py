@@ -140,3 +140,16 @@ def test_no_uniform_group_takes_one_round():
 def test_dynamic_sampling_needs_a_group_estimator(estimator):
     with pytest.raises(ValidationError, match=r"dynamic_sampling: .*group estimator"):
         PpoSection(advantage_estimator=estimator, dynamic_sampling=True)
+
+
+def test_the_recipe_refusal_is_one_line_naming_the_field(tmp_path, small_recipe):
+    from rlhf_cli.errors import RecipeError
+    from rlhf_cli.recipe import load_recipe
+
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(small_recipe(tmp_path, {"ppo": {"dynamic_sampling": True}}))
+    (line,) = str(caught.value).splitlines()
+    assert line.endswith(
+        "ppo.dynamic_sampling: drops groups of a prompt's answers that all score the same, "
+        "which needs a group estimator (rloo, grpo), not gae"
+    )
