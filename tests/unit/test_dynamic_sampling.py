@@ -153,3 +153,58 @@ def test_the_recipe_refusal_is_one_line_naming_the_field(tmp_path, small_recipe)
         "ppo.dynamic_sampling: drops groups of a prompt's answers that all score the same, "
         "which needs a group estimator (rloo, grpo), not gae"
     )
+
+
+class _RankAcc:
+    """Process `rank` of 2, run as a thread: gather and reduce meet the other's at a barrier."""
+
+    num_processes, device = 2, torch.device("cpu")
+
+    def __init__(self, rank, shared):
+        self.process_index, self.shared = rank, shared
+
+    def _both(self, t):
+        self.shared["slots"][self.process_index] = t
+        self.shared["barrier"].wait()
+        both = list(self.shared["slots"])
+        self.shared["barrier"].wait()
+        return both
+
+    def gather(self, t):
+        return torch.cat(self._both(t))
+
+    def reduce(self, t, op):
+        a, b = self._both(t)
+        return a + b if op == "sum" else torch.maximum(a, b)
+
+
+def test_two_processes_make_the_same_calls_and_the_batch_of_one(monkeypatch):
+    import threading
+
+    import rlhf_cli.ppo.rollout as rollout
+
+    monkeypatch.setattr(rollout, "answered_everywhere", lambda acc, generate: generate())
+    kinds = ["same" if i % 2 == 0 else "varied" for i in range(8)]
+    alone = _run(3, kinds)
+    index, answers = _first_round(alone)
+    expected_index, expected, expected_metrics = refilled(alone, 1, "v1", index, answers)
+    shared = {"barrier": threading.Barrier(2), "slots": [None, None]}
+    runs = [_run(3, kinds) for _ in range(2)]
+    out: list = [None, None]
+
+    def process(rank):
+        runs[rank].accelerator = _RankAcc(rank, shared)
+        index, answers = _first_round(runs[rank])
+        out[rank] = refilled(runs[rank], 1, "v1", index, answers)
+
+    threads = [threading.Thread(target=process, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(o is not None for o in out)
+    assert len(runs[0].engine.calls) == len(runs[1].engine.calls) == len(alone.engine.calls)
+    rows = [out[r][0][i] for i in range(4) for r in range(2)]  # process r holds rows r, r + 2, ...
+    texts = [out[r][1].texts[i] for i in range(4) for r in range(2)]
+    assert rows == expected_index and texts == expected.texts
+    assert out[0][2] == out[1][2] == expected_metrics
