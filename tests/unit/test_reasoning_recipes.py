@@ -38,7 +38,7 @@ def test_the_addition_recipe_is_grpo_on_the_instruct_model_with_no_reward_model(
     assert (reward["pretrained"], reward["base_model"], reward["url"]) == (None, None, None)
     assert [f["function"] for f in reward["functions"]] == ["builtin:math_accuracy"]
     ppo = r["ppo"]
-    assert (ppo["advantage_estimator"], ppo["num_generations"]) == ("grpo", 8)
+    assert (ppo["advantage_estimator"], ppo["num_generations"]) == ("grpo", 4)
     assert ppo["generation"]["max_new_tokens"] == 32
     assert r["data"]["prompts"]["min_words"] <= 5  # "What is 7 + 4?" is five words
     assert (r["eval"]["baseline"], r["eval"]["checks"]["grader"]) == ("base", "math")
