@@ -27,6 +27,9 @@ from rlhf_cli.plan.parts import (
 )
 from rlhf_cli.plan.shapes import Configs, ModelShape, model_shape, read_configs
 from rlhf_cli.recipe import ModelSection, Recipe
+from rlhf_cli.rundir import OFFLINE_STAGES
+
+REFERENCE_STAGES = ("dpo", "kto")  # the offline stages that hold a reference (ORPO, SimPO none)
 
 
 @dataclass
@@ -109,32 +112,45 @@ def plan_train_rm(recipe: Recipe, reward: ModelShape, target: Target) -> StagePl
     return _peak("train-rm", phases, target)
 
 
-def plan_dpo(recipe: Recipe, policy: ModelShape, target: Target) -> StagePlan:
-    """TRL's DPOTrainer: one micro-batch of `dpo.batch_size` pairs, chosen and rejected in one
-    pass (twice the rows, of `dpo.max_length`), their log-probs through TRL's fused LM head as
-    SFT's. The reference costs nothing under LoRA (the policy with its adapter disabled); else
-    it is a frozen copy in `model.dtype`, held by a first run, which computes its log-probs (a
-    rerun with the kept ones loads none)."""
-    cfg, model = recipe.dpo, recipe.model
+def plan_offline(recipe: Recipe, stage: str, policy: ModelShape, target: Target) -> StagePlan:
+    """An offline stage (`rlhf dpo|kto|orpo|simpo`), one micro-batch of its section's
+    `batch_size` rows cut to `max_length`. DPO, ORPO and SimPO pass chosen and rejected in one
+    batch (twice the rows); KTO one answer a row, after a pass without gradients over the same
+    number of mismatched answers (TRL's KL baseline: prompt i with answer i-1), freed before
+    the trained pass. DPO and KTO read their log-probs through TRL's fused LM head as SFT's;
+    ORPO and SimPO (`trl.experimental`) hold the whole logits, and in the backward three fp32
+    tensors of their size (the log-softmax kept, the gradients of the gather and the logsumexp
+    and their sum). The reference of DPO and KTO costs nothing under LoRA (the policy with its
+    adapter disabled); else it is a frozen copy in `model.dtype`, held by a first run, which
+    computes its log-probs (a rerun with the kept ones loads none). ORPO and SimPO hold none."""
+    cfg, model = getattr(recipe, stage), recipe.model
     e = _compute_bytes(model, target)
     weights = weight_parts(policy, model, target, trains=True)
     if model.lora.enabled:
         weights["LoRA fp32"] = 4 * policy.lora_params
-    else:
+    elif stage in REFERENCE_STAGES:
         stored = element_bytes(model.dtype, target)
         weights[f"reference {dtype_name(stored)} (first run)"] = policy.params * stored
-    rows = 2 * cfg.batch_size
+    rows = cfg.batch_size if stage == "kto" else 2 * cfg.batch_size
+    scored = rows * (cfg.max_length - 1)  # the labels shifted: one position fewer a row
+    if stage in REFERENCE_STAGES:
+        head = fused_head_parts(policy, scored, e, target)
+    else:
+        head = {
+            f"logits {dtype_name(e)}": rows * cfg.max_length * policy.vocab * e,
+            "log-softmax + logits' gradients fp32": 3 * scored * policy.vocab * 4,
+        }
     working = {
         "activations": activation_bytes(
             policy, rows * cfg.max_length, e, model.gradient_checkpointing
         ),
-        **fused_head_parts(policy, rows * (cfg.max_length - 1), e, target),
+        **head,
     }
     trained = trainable_params(policy, model)
     phases = training_phases(
         sharded(weights, target), trained, target, working, cfg.gradient_accumulation_steps > 1
     )
-    return _peak("dpo", phases, target)
+    return _peak(stage, phases, target)
 
 
 def ppo_lengths(recipe: Recipe) -> tuple[int, int]:
@@ -170,7 +186,7 @@ def _policy_weights(
         weights.update({f"critic {k}": v for k, v in weights.items()})
         trained += trainable_params(policy, model)
     if model.lora.enabled:
-        weights["LoRA + value head fp32"] = 4 * trained
+        weights["LoRA + value head fp32" if critic else "LoRA fp32"] = 4 * trained
     elif critic:
         weights["value head fp32"] = 4 * (policy.hidden + 1)
     if not model.lora.enabled:  # the reference is a frozen copy
@@ -361,7 +377,7 @@ class Plan:
 def offline_stages(recipe: Recipe) -> list[str]:
     """The offline stages the plan sizes when asked (`--stage dpo`): another path than
     train-rm and ppo, so never in the recipe's whole plan; only with `data.preferences`."""
-    return ["dpo"] if recipe.data.preferences is not None else []
+    return list(OFFLINE_STAGES) if recipe.data.preferences is not None else []
 
 
 def recipe_stages(recipe: Recipe) -> list[str]:
@@ -402,7 +418,10 @@ def plan_recipe(
         "ppo": lambda: plan_ppo(recipe, policy(), reward(), target),
         "audit": lambda: plan_audit(recipe, policy(), reward(), target),
         "merge": lambda: plan_merge_on(recipe, policy(), target),
-        "dpo": lambda: plan_dpo(recipe, policy(), target),
+        **{
+            stage: functools.partial(plan_offline, recipe, stage, policy(), target)
+            for stage in OFFLINE_STAGES
+        },
     }
     wanted = recipe_stages(recipe) if stages is None else stages
     return Plan({stage: build[stage]() for stage in wanted}, target)

@@ -125,11 +125,26 @@ def test_plan_is_within_25_percent_of_what_torch_allocates(
     assert all(abs(gap) <= TOLERANCE for gap in gaps.values()), gaps
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full-weights"])
-def test_dpo_plan_is_within_25_percent_of_what_torch_allocates(lora, make_recipe, quiet_console):
-    """`rlhf dpo` after the tiny SFT: under LoRA the reference is the policy with its adapter
-    disabled (no second copy), with full weights a frozen copy the first run holds; two
-    optimizer steps or more of 8 pairs, every row cut to `dpo.max_length`."""
+OFFLINE = [
+    ("dpo", True),
+    ("dpo", False),
+    ("kto", True),
+    ("kto", False),
+    ("orpo", True),
+    ("simpo", False),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "lora"), OFFLINE, ids=[f"{m}-{'lora' if lora else 'full'}" for m, lora in OFFLINE]
+)
+def test_offline_plan_is_within_25_percent_of_what_torch_allocates(
+    method, lora, make_recipe, quiet_console, tmp_path
+):
+    """`rlhf <method>` after the tiny SFT, two optimizer steps or more of 8 rows cut to
+    `max_length`: DPO and KTO hold a reference (the policy with its adapter disabled under
+    LoRA: no second copy; with full weights a frozen copy the first run holds), KTO its KL
+    baseline's mismatched answers too; ORPO and SimPO none, but the whole logits."""
     from typer.testing import CliRunner
 
     from rlhf_cli.cli import app
@@ -140,19 +155,34 @@ def test_dpo_plan_is_within_25_percent_of_what_torch_allocates(lora, make_recipe
             "model": {"lora": {"enabled": lora}},
             "data": {"sft": {"max_samples": 40}, "preferences": {"max_samples": 48}},
             "sft": {"epochs": 0.6, "max_length": 32},
-            "dpo": {"epochs": 0.4, "batch_size": 8, "max_length": 40},
+            method: {"epochs": 0.4, "batch_size": 8, "max_length": 40},
         }
     )
     recipe = load_recipe(path)
     run_sft(recipe, quiet_console)
+    args = [method, "--recipe", str(path), "--json"]
+    if method == "kto":  # each pair as two thumbs rows, the first 48 rows read
+        args += ["--set", f"data.preferences.path={thumbs(recipe, tmp_path)}"]
     with LiveTensorBytes() as tracker:
-        result = CliRunner().invoke(app, ["dpo", "--recipe", str(path), "--json"])
+        result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     metrics = json.loads(result.stdout)["metrics"]
-    assert metrics["steps"] == 3  # 41 pairs trained on, 8 a step, 0.4 of an epoch
-    planned = planned_stage_peak(recipe, "dpo")
+    assert metrics["steps"] == 3  # 41 rows trained on, 8 a step, 0.4 of an epoch
+    planned = planned_stage_peak(recipe, method)
     assert metrics["planned_peak_bytes"] == planned
     assert metrics["peak_memory_kind"] == "cpu_tensors"
     gap = (planned - tracker.peak) / tracker.peak
-    print(round(tracker.peak / 2**20, 3), round(planned / 2**20, 3), gap)
+    print(method, round(tracker.peak / 2**20, 3), round(planned / 2**20, 3), gap)
     assert abs(gap) <= TOLERANCE, (tracker.peak, planned)
+
+
+def thumbs(recipe: Any, folder: Path) -> Path:
+    """The recipe's pairs as KTO's rows: each chosen answer a thumbs-up, each rejected one down."""
+    rows = []
+    for line in Path(recipe.data.preferences.path).read_text().splitlines():
+        pair = json.loads(line)
+        rows.append({"prompt": pair["prompt"], "completion": pair["chosen"], "label": True})
+        rows.append({"prompt": pair["prompt"], "completion": pair["rejected"], "label": False})
+    path = folder / "thumbs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
