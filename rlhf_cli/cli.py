@@ -398,80 +398,42 @@ def ppo(
     _stage(run, "ppo", recipe, as_json, quiet, runs_dir, sets)
 
 
-@app.command(cls=_Command)
-@_exit_on_errors
-def dpo(
-    recipe: RecipeOpt = None,
-    sets: SetOpt = None,
-    resume: ResumeOpt = False,
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
-    runs_dir: RunsOpt = Path("runs"),
-) -> None:
-    """Instead of reward model and PPO: DPO from the SFT policy on the preference pairs (TRL
-    DPOTrainer, `dpo.loss_type`); the reference's log-probs computed once and kept."""
-    _offline("dpo", recipe, sets, resume, as_json, quiet, runs_dir)
+OFFLINE_HELP = {  # each offline method's command (`stages.dpo.METHODS`): its section and folder
+    "dpo": "Instead of reward model and PPO: DPO from the SFT policy on the preference pairs "
+    "(TRL DPOTrainer, `dpo.loss_type`); the reference's log-probs computed once and kept.",
+    "kto": "Instead of reward model and PPO: KTO from the SFT policy on thumbs-up/down rows "
+    "(`prompt`, `completion`, `label`; TRL KTOTrainer); the reference's log-probs kept.",
+    "orpo": "Instead of reward model and PPO: ORPO from the SFT policy (or the base: "
+    "`orpo.start`) on the preference pairs, no reference model (TRL's experimental "
+    "ORPOTrainer).",
+    "simpo": "Instead of reward model and PPO: SimPO from the SFT policy on the preference "
+    "pairs, no reference model (TRL's experimental CPOTrainer, its simpo loss).",
+}
 
 
-@app.command(cls=_Command)
-@_exit_on_errors
-def kto(
-    recipe: RecipeOpt = None,
-    sets: SetOpt = None,
-    resume: ResumeOpt = False,
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
-    runs_dir: RunsOpt = Path("runs"),
-) -> None:
-    """Instead of reward model and PPO: KTO from the SFT policy on thumbs-up/down rows
-    (`prompt`, `completion`, `label`; TRL KTOTrainer); the reference's log-probs kept."""
-    _offline("kto", recipe, sets, resume, as_json, quiet, runs_dir)
+def _offline_command(method: str) -> None:
+    """Register `rlhf <method>`: one command per offline method, all the same but for the
+    method (one function here, not four copies of its options)."""
+
+    def command(
+        recipe: RecipeOpt = None,
+        sets: SetOpt = None,
+        resume: ResumeOpt = False,
+        as_json: JsonOpt = False,
+        quiet: QuietOpt = False,
+        runs_dir: RunsOpt = Path("runs"),
+    ) -> None:
+        from rlhf_cli.stages.dpo import run_offline
+
+        run = functools.partial(run_offline, method=method, resume=resume)
+        _stage(run, method, recipe, as_json, quiet, runs_dir, sets)
+
+    command.__doc__ = OFFLINE_HELP[method]
+    app.command(method, cls=_Command)(_exit_on_errors(command))
 
 
-@app.command(cls=_Command)
-@_exit_on_errors
-def orpo(
-    recipe: RecipeOpt = None,
-    sets: SetOpt = None,
-    resume: ResumeOpt = False,
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
-    runs_dir: RunsOpt = Path("runs"),
-) -> None:
-    """Instead of reward model and PPO: ORPO from the SFT policy (or the base: `orpo.start`) on
-    the preference pairs, no reference model (TRL's experimental ORPOTrainer)."""
-    _offline("orpo", recipe, sets, resume, as_json, quiet, runs_dir)
-
-
-@app.command(cls=_Command)
-@_exit_on_errors
-def simpo(
-    recipe: RecipeOpt = None,
-    sets: SetOpt = None,
-    resume: ResumeOpt = False,
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
-    runs_dir: RunsOpt = Path("runs"),
-) -> None:
-    """Instead of reward model and PPO: SimPO from the SFT policy on the preference pairs, no
-    reference model (TRL's experimental CPOTrainer, its simpo loss)."""
-    _offline("simpo", recipe, sets, resume, as_json, quiet, runs_dir)
-
-
-def _offline(
-    method: str,
-    recipe: Path | None,
-    sets: list[str] | None,
-    resume: bool,
-    as_json: bool,
-    quiet: bool,
-    runs_dir: Path,
-) -> None:
-    """One offline method's stage (`stages.dpo.METHODS`): its command, section and folder."""
-    from rlhf_cli.stages.dpo import run_offline
-
-    run = functools.partial(run_offline, method=method, resume=resume)
-    _stage(run, method, recipe, as_json, quiet, runs_dir, sets)
+for _method in OFFLINE_HELP:
+    _offline_command(_method)
 
 
 @app.command(cls=_Command)

@@ -443,6 +443,8 @@ def _live_eval(
             reference_scores=kept.get("reference"),
             keywords=reward_keywords(columns),
             step=iteration,
+            samples_per_prompt=recipe.ppo.eval_samples_per_prompt,
+            pass_threshold=recipe.ppo.pass_threshold,
         )
         return metrics
 
