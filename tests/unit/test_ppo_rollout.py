@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM
 
 from rlhf_cli.generation import left_pad
 from rlhf_cli.ppo.models import PolicyAndValue, zero_value_head
+from rlhf_cli.scoring import Scores
 
 
 @pytest.fixture
@@ -81,8 +82,8 @@ def tiny_vocab_policy(llama_config) -> tuple[object, LlamaForCausalLM]:
 class _ConstantScorer:
     """Scores every response 1.0, so the penalty is all that changes a score."""
 
-    def score(self, prompts, responses):
-        return torch.ones(len(prompts)), 0
+    def scored(self, prompts, responses, keywords=None):
+        return Scores(torch.ones(len(prompts)), 0, {})
 
 
 def _greeting_rollout(actor, policy, tokenizer, cfg, rows: int, reference=None):

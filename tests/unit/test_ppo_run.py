@@ -45,11 +45,11 @@ def fake_run(seen: dict[str, Any], report: dict[str, Any] = REPORT) -> Any:
     acc = FakeAccelerator()
     engine = SimpleNamespace(gathered=lambda actor: contextlib.nullcontext(actor))
 
-    def audit(actor: Any) -> dict[str, Any]:
+    def audit(actor: Any, iteration: int) -> dict[str, Any]:
         seen["audit"] = acc.in_autocast
         return report
 
-    def evaluate(actor: Any) -> dict[str, float]:
+    def evaluate(actor: Any, iteration: int) -> dict[str, float]:
         seen["evaluate"] = acc.in_autocast
         return {"eval/reward_mean": 1.0}
 
