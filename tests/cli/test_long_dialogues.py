@@ -85,8 +85,8 @@ def _rendered(tokenizer, turns) -> list[int]:
 
 
 def test_a_long_dialogue_loses_whole_exchanges_and_starts_with_the_user(make_recipe, tmp_path):
-    """Token counts on the tiny tokenizer: the whole prompt 182, from the second exchange 133,
-    the last exchange and question 84, the question alone 35. At 90 tokens two exchanges go; at
+    """Token counts on the tiny tokenizer: the whole prompt 181, from the second exchange 132,
+    the last exchange and question 83, the question alone 34. At 90 tokens two exchanges go; at
     60, all three; at 20 the question loses its start inside the template."""
     prompts, tokenizer = _prompts_and_tokenizer(make_recipe, tmp_path)
     assert len(prompts) == ROWS and [m["role"] for m in prompts[0]] == ["user", "assistant"] * 3 + [
@@ -96,7 +96,7 @@ def test_a_long_dialogue_loses_whole_exchanges_and_starts_with_the_user(make_rec
         for prompt, tokens in zip(
             prompts, prompt_tokens(tokenizer, prompts, True, max_tokens), strict=True
         ):
-            assert tokens.full_tokens == 182 and len(tokens.ids) <= max_tokens
+            assert tokens.full_tokens == 181 and len(tokens.ids) <= max_tokens
             assert (tokens.exchanges_dropped, tokens.text_cut) == (dropped, False)
             assert tokens.ids == _rendered(tokenizer, prompt[-window:])  # starts with the user
             assert tokenizer.decode(tokens.ids).startswith("<s>[INST] ")
@@ -146,7 +146,7 @@ def test_validate_data_on_the_guides_recipe_reports_what_ppo_does(tmp_path):
     result = _validate(tmp_path, MISTRAL_V02, "--json", "--row", "2")
     assert result.exit_code == 0, result.output
     prompts = json.loads(result.stdout)["stages"]["prompts"]
-    assert prompts["prompt_tokens"] == {"p50": 182, "p95": 182, "max": 182}
+    assert prompts["prompt_tokens"] == {"p50": 181, "p95": 181, "max": 181}
     assert prompts["over_limit"] == {
         "cut at data.prompts.max_tokens": ROWS,
         "of them lose their oldest exchanges": ROWS,

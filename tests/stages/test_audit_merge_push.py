@@ -182,7 +182,7 @@ def test_in_training_audit_samples_the_frozen_reference_once(
     scorer = load_scorer(recipe, run, cpu, needed_by="rlhf audit")
     audit = _live_audit(recipe, policy.tokenizer, policy.reference, scorer, generator)
     actor = SimpleNamespace(policy=policy.model)
-    first, second = audit(actor), audit(actor)
+    first, second = audit(actor, 1), audit(actor, 2)
     assert len(sampled) == 3  # the policy, the reference, the policy again
     # the kept answers are the ones the reference gives from the same seeds: the same report
     assert second == first
