@@ -27,19 +27,19 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def audit_hook(*_: Any) -> Callable[[Any], dict[str, Any]]:
+def audit_hook(*_: Any) -> Callable[[Any, int], dict[str, Any]]:
     """What `stages.ppo._live_audit` returns: every call flags verbosity on the main process."""
     flags = ["verbosity"] if rank() == 0 else []
     report = {**REPORT, "hacking_detected": bool(flags), "flags": flags, "verbosity_score": 1.0}
-    return lambda actor: report
+    return lambda actor, iteration: report
 
 
-def eval_hook(*_: Any, crash_at: int | None = None) -> Callable[[Any], dict[str, float]]:
+def eval_hook(*_: Any, crash_at: int | None = None) -> Callable[[Any, int], dict[str, float]]:
     """What `stages.ppo._live_eval` returns: `REWARDS` in turn; the `crash_at`-th call (from 1)
     raises, as a crash in the middle of an iteration would."""
     rewards, calls = REWARDS[rank() == 0], []
 
-    def evaluate(actor: Any) -> dict[str, float]:
+    def evaluate(actor: Any, iteration: int) -> dict[str, float]:
         calls.append(1)
         if len(calls) == crash_at:
             raise RuntimeError("crashed")

@@ -361,18 +361,20 @@ def test_non_finite_rewards_skip_updates_then_stop(
     ppo_recipe, pipeline, tmp_path, small_recipe, monkeypatch
 ):
     from rlhf_cli.errors import NonFiniteError
-    from rlhf_cli.scoring import RewardScorer
+    from rlhf_cli.scoring import RewardScorer, Scores
     from rlhf_cli.stages.ppo import run_ppo
 
     recipe = ppo_recipe(pipeline, tmp_path, small_recipe, {**PPO_SMALL, "max_nonfinite": 2})
-    real_score, calls = RewardScorer.score, []
+    real_scored, calls = RewardScorer.scored, []
 
-    def nan_after_first(self, prompts, responses):  # the reward model starts giving NaN
-        scores, n_truncated = real_score(self, prompts, responses)
+    def nan_after_first(self, prompts, responses, keywords=None):  # the reward model gives NaN
+        scores = real_scored(self, prompts, responses, keywords)
         calls.append(1)
-        return (scores if len(calls) == 1 else torch.full_like(scores, float("nan"))), n_truncated
+        if len(calls) == 1:
+            return scores
+        return Scores(torch.full_like(scores.rewards, float("nan")), *scores[1:])
 
-    monkeypatch.setattr(RewardScorer, "score", nan_after_first)
+    monkeypatch.setattr(RewardScorer, "scored", nan_after_first)
     with pytest.raises(NonFiniteError, match="2 iterations in a row"):
         run_ppo(recipe, QUIET)
     run = RunDir.for_recipe(recipe)
