@@ -249,10 +249,13 @@ def test_a_lora_policy_is_benchmarked_as_merged_weights_giving_its_logits(
 
     seen = {}
 
-    def harness(cfg: Any, model: Any, tokenizer: Any, chat: bool) -> dict[str, dict]:
-        seen["model"], seen["chat"] = model, chat
+    def harness(
+        cfg: Any, model: Any, tokenizer: Any, chat: bool, engine: Any = None
+    ) -> dict[str, dict]:
+        seen["model"], seen["chat"], seen["engine"] = model, chat, engine
         return {"tiny_arith": {"metric": "acc", "score": 0.25, "stderr": 0.1, "n": 4,
-                               "chat_template": chat}}  # fmt: skip
+                               "higher_is_better": True, "chat_template": chat,
+                               "backend": "hf"}}  # fmt: skip
 
     monkeypatch.setattr(benchmarks, "run_benchmarks", harness)
     sets = ["eval.benchmarks.tasks=[tiny_arith]"]
@@ -262,6 +265,7 @@ def test_a_lora_policy_is_benchmarked_as_merged_weights_giving_its_logits(
     scores, check = eval_stage.benchmark(recipe, target, device)
     merged = seen["model"]
     assert not hasattr(merged, "peft_config") and seen["chat"] is True
+    assert seen["engine"] is None  # the HF backend: eval.generation.backend is hf
     assert check is not None and check["tolerance"] == recipe.merge.atol
     assert check["max_abs_logit_diff"] <= recipe.merge.atol
     adapter, tokenizer = target.load(device)  # a fresh adapter model, unmerged
