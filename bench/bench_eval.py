@@ -121,16 +121,17 @@ def main() -> None:
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform()}
+    report: dict = {"commit": commit, "machine": machine, "judge": JUDGE, "models": {}}
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
         server, url = serve_judge(args.python, args.port, Path(tmp) / "serve")
         try:
-            results = {name: bench_model(name, Path(tmp) / name, url) for name in args.models}
+            for name in args.models:  # written after each model: a long bench keeps what it took
+                report["models"][name] = bench_model(name, Path(tmp) / name, url)
+                args.out.write_text(json.dumps(report, indent=2) + "\n")
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=60)
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform()}
-    report = {"commit": commit, "machine": machine, "judge": JUDGE, "models": results}
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
 

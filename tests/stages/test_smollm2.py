@@ -96,8 +96,8 @@ def test_the_eos_that_ends_an_answer_is_trained_on_and_scored(smollm2) -> None:
 
 
 LONGER_TO_A_CAP = """
-def words_up_to_16(prompts, responses):
-    return [min(len(r.split()), 16) / 4 for r in responses]
+def words_up_to_24(prompts, responses):
+    return [min(len(r.split()), 24) / 4 for r in responses]
 """
 
 
@@ -105,14 +105,15 @@ def test_ppo_on_the_real_model_gains_held_out_reward_and_answers_still_end(
     tmp_path, small_recipe
 ) -> None:
     """A short PPO on SmolLM2 (no SFT: it is an instruct model) against a rule reward that pays for
-    words up to 16 (dense, so a few iterations move it; one-sentence answers start around 12)
-    while `missing_eos_penalty` takes 1 from an answer cut at `max_new_tokens` (40 tokens, about
-    30 words): longer answers pay up to the cap, answers that stop ending never. (A cap of 24
-    words, near the budget, pushed a quarter of the answers past it within 12 iterations: the
-    penalty only teaches once answers are cut.) On held-out prompts, from the same seeds, the
-    policy beats the model it started from, and its answers still end with `<|im_end|>` (whose
-    handling with pad == eos is what the penalty depends on). The prompts ask for one sentence,
-    so the instruct model's answers end inside the budget from the start."""
+    words up to 24 (dense, so a few iterations move it; one-sentence answers to the tiny prompts
+    start around 16 words, sampled: a cap of 16 paid nearly every answer in full from the first
+    batch and left nothing to learn) while `missing_eos_penalty` takes 1 from an answer cut at
+    `max_new_tokens` (56 tokens, about 40 words): longer answers pay up to the cap, answers that
+    stop ending never. (At 48 tokens, near the cap, half of a batch was cut by the 8th
+    iteration.) On held-out prompts, from the same seeds, the policy beats the model it started
+    from, and its answers still end with `<|im_end|>` (whose handling with pad == eos is what the
+    penalty depends on). The prompts ask for one sentence, so the instruct model's answers end
+    inside the budget from the start."""
     import json
 
     from rlhf_cli.stages.ppo import run_ppo
@@ -125,7 +126,7 @@ def test_ppo_on_the_real_model_gains_held_out_reward_and_answers_still_end(
         "".join(json.dumps({"prompt": f"In one sentence: {r['prompt']}"}) + "\n" for r in rows)
     )
     (tmp_path / "length_reward.py").write_text(LONGER_TO_A_CAP)
-    reward = {"function": f"{tmp_path / 'length_reward.py'}:words_up_to_16"}
+    reward = {"function": f"{tmp_path / 'length_reward.py'}:words_up_to_24"}
     recipe = smollm2_recipe(
         tmp_path,
         small_recipe,
@@ -136,7 +137,7 @@ def test_ppo_on_the_real_model_gains_held_out_reward_and_answers_still_end(
                 "iterations": ITERATIONS, "batch_size": 8, "mini_batch_size": 4,
                 "ppo_epochs": 2, "learning_rate": 1e-3, "missing_eos_penalty": 1.0,
                 "eval_every": ITERATIONS, "save_freq": ITERATIONS, "log_every": 100,
-                "generation": {"max_new_tokens": 40, "temperature": 1.0},
+                "generation": {"max_new_tokens": 56, "temperature": 1.0},
             },
         },
     )  # fmt: skip
@@ -144,9 +145,10 @@ def test_ppo_on_the_real_model_gains_held_out_reward_and_answers_still_end(
     rows = read_metrics(Path(recipe.run.output_dir) / "smollm2" / "ppo" / "metrics.jsonl")
     final = rows[-1]
     assert manifest["status"] == "completed"
+    # the reward is the answer's words up to 24: a held-out gain is longer answers, the same
+    # prompts and seeds for both (a batch of 8 samples is too few to compare lengths by)
     assert final["eval/reward_mean"] > final["eval/reward_reference_mean"], final
     assert final["eval/win_rate"] > 0.5
-    # longer answers, still ending: the last iterations' answers end as often as the first's
-    assert final["response/length_mean"] > rows[0]["response/length_mean"]
+    # still ending: the last iterations' answers end as often as the first's
     ended = [r["response/ended_frac"] for r in rows]
     assert sum(ended[-3:]) / 3 >= min(ended[:3]) - 0.125, ended
