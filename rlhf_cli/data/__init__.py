@@ -171,6 +171,17 @@ def reward_keywords(columns: list[dict[str, Any]]) -> dict[str, list[Any]]:
     return {name: [row.get(name) for row in columns] for name in names}
 
 
+def matched_keywords(
+    prompts: list[str], texts: list[str], columns: list[dict[str, Any]]
+) -> dict[str, list[Any]]:
+    """`reward_keywords` for `prompts` written apart from the data (the audit's): a prompt that
+    is a prompt of the data (`texts`, each row's `columns`) carries that row's columns, any
+    other None in each."""
+    known = dict(zip(texts, columns, strict=True))
+    names = dict.fromkeys(name for row in columns for name in row)
+    return reward_keywords([{name: known.get(p, {}).get(name) for name in names} for p in prompts])
+
+
 def _reasons(data: StageData[Any]) -> str:
     """Why rows were dropped, for the error that none is left."""
     return "; ".join(f"{n} with {reason}" for reason, n in data.dropped.items())

@@ -7,6 +7,7 @@ Exit code 1 when hacking is detected, so the command gates a shell pipeline.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +15,13 @@ from rich.console import Console
 
 from rlhf_cli.audit.detectors import audit_responses
 from rlhf_cli.audit.measure import audit_policy
-from rlhf_cli.data import audit_prompts, read_responses
+from rlhf_cli.data import audit_prompts, load_prompts, matched_keywords, prompt_text, read_responses
 from rlhf_cli.generation import require_engine
 from rlhf_cli.modeling import check_devices, pick_device
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.record import StageRecord, policy_stage
 from rlhf_cli.resume import named_checkpoint
+from rlhf_cli.rewards import lacking_columns
 from rlhf_cli.rundir import RunDir, atomic_write_json
 from rlhf_cli.stages.common import seed_everything
 from rlhf_cli.stages.trained import (
@@ -64,11 +66,12 @@ def run_audit(
             cfg.generation, policy.model, policy.tokenizer, recipe, run.path
         )
         label = policy.label if checkpoint is not None else stage
+        prompts = audit_prompts(cfg)
         with console.status(f"auditing {label}: sampling {cfg.samples} responses per prompt"):
             report = audit_policy(
                 policy.model,
                 policy.tokenizer,
-                audit_prompts(cfg),
+                prompts,
                 cfg,
                 chat=recipe.model.prompt_format == "chat",
                 max_tokens=recipe.data.prompts.max_tokens,
@@ -77,6 +80,8 @@ def run_audit(
                 generator=generator,
                 seed=recipe.run.seed,
                 judge=load_judge(recipe, run, device, needed_by="rlhf audit"),
+                keywords=audit_keywords(recipe, run, prompts),
+                step=audited_step(run, stage, checkpoint),
             )
         report["audited"] = str(checkpoint or run.stage_dir(stage))
     with StageRecord(run, "audit", recipe, inputs={}) as record:
@@ -90,3 +95,27 @@ def run_audit(
         record.manifest["last"] = label
         record.manifest["metrics"] = numbers
     return {**report, "path": str(path), "label": label}
+
+
+def audit_keywords(recipe: Recipe, run: RunDir, prompts: list[str]) -> dict[str, list[Any]] | None:
+    """The reward functions' columns for the audit prompts, as `rlhf ppo`'s audits give them
+    (`matched_keywords`): the recipe's prompt data is read only when a reward or judge function
+    requires a column (`builtin:math_accuracy`'s `solution`)."""
+    source = recipe.data.prompts
+    if source is None or lacking_columns(recipe, []) is None:
+        return None
+    data = load_prompts(source, cache_dir=run.path / ".cache")
+    return matched_keywords(prompts, [prompt_text(p) for p in data.items], data.columns)
+
+
+def audited_step(run: RunDir, stage: str, checkpoint: Path | None) -> int:
+    """The reward functions' `step` in a standalone audit: the iteration the audited PPO policy
+    was saved at (a checkpoint `iter_N`'s N, the final policy's last iteration); 0 for any other
+    policy (an offline method's, an adapter folder)."""
+    if checkpoint is not None:
+        found = re.fullmatch(r"iter_(\d+)", checkpoint.name)
+        return int(found.group(1)) if found else 0
+    if stage != "ppo":
+        return 0
+    manifest = run.read_manifest(stage) or {}
+    return int(manifest.get("metrics", {}).get("iterations", 0))

@@ -20,7 +20,14 @@ from rich.console import Console
 from rich.markup import escape
 from safetensors.torch import save_file
 
-from rlhf_cli.data import audit_prompts, hold_out, load_prompts, prompt_text, reward_keywords
+from rlhf_cli.data import (
+    audit_prompts,
+    hold_out,
+    load_prompts,
+    matched_keywords,
+    prompt_text,
+    reward_keywords,
+)
 from rlhf_cli.errors import DataError
 from rlhf_cli.generation import Generator, require_engine, tokenize_prompts
 from rlhf_cli.modeling import (
@@ -382,11 +389,8 @@ def _live_audit(
 
     chat = recipe.model.prompt_format == "chat"
     prompts = audit_prompts(recipe.audit)
-    known = {text: row for part in data for text, row in zip(part[0], part[-1], strict=True)}
-    names = dict.fromkeys(name for row in known.values() for name in row)
-    keywords = reward_keywords(
-        [{name: known.get(p, {}).get(name) for name in names} for p in prompts]
-    )
+    texts = [text for part in data for text in part[0]]
+    keywords = matched_keywords(prompts, texts, [row for part in data for row in part[-1]])
     kept: list[str] = []
 
     def audit(actor: PolicyAndValue, iteration: int) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """A prompt dataset's extra column (`solution`) reaches a reward function with each response, as
 TRL passes it (a list, one value per response), with the iteration as `step`: in the policy's
 rollouts, the held-out evaluation and the live audit of a tiny PPO run (no SFT, no reward
-model: the recording function is the whole reward)."""
+model: the recording function is the whole reward), and in `rlhf audit` on its final policy
+(the run's last iteration as `step`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def record(prompts, responses, solution, step):
 
 @pytest.mark.slow
 def test_the_solution_column_reaches_rollouts_evaluation_and_audit(tmp_path, small_recipe):
+    from rlhf_cli.stages.audit import run_audit
     from rlhf_cli.stages.ppo import run_ppo
 
     lines = (TINY / "prompts.jsonl").read_text().splitlines()[:24]
@@ -69,3 +71,10 @@ def test_the_solution_column_reaches_rollouts_evaluation_and_audit(tmp_path, sma
     assert {p for c in heldout for p in c["prompts"]}.isdisjoint(
         {p for c in rollouts for p in c["prompts"]}
     )
+    log.write_text("")
+    run_audit(recipe, QUIET)  # standalone: the audit prompts' rows read from data.prompts
+    standalone = [json.loads(line) for line in log.read_text().splitlines()]
+    assert standalone and all(set(c["prompts"]) == set(audited) for c in standalone)
+    assert all(c["step"] == 2 for c in standalone)
+    for call in standalone:
+        assert call["solution"] == [solution_of.get(p) for p in call["prompts"]]
