@@ -37,7 +37,6 @@ from rlhf_cli.modeling import (
     lora_config,
     make_trainable,
     pick_device,
-    resolve_dtype,
     upcast_trainable,
 )
 from rlhf_cli.recipe import OfflineSection, Recipe, StageSource
@@ -57,10 +56,10 @@ from rlhf_cli.stages.trained import policy_source
 from rlhf_cli.stages.trainers import (
     StageCallback,
     drop_printer,
+    policy_trainer_kwargs,
     run_train_loss,
     start_or_resume_trainer,
     train_resumable,
-    trainer_kwargs,
 )
 from rlhf_cli.tracking import Trackers
 
@@ -240,13 +239,8 @@ def setup(
             ref_model = load_sft_model(recipe.model, base, sft_adapter, device)
     extra = {"cache": cache, "ref_model": ref_model} if how.reference else {}
     trainer_class, config_class = how.classes()
-    dtype = resolve_dtype(recipe.model.dtype, device)
-    checkpointing = recipe.model.gradient_checkpointing
     args = config_class(
-        **trainer_kwargs(cfg, device, dtype, record.dir, recipe.run.seed, trackers, checkpointing),
-        max_length=cfg.max_length,
-        warmup_steps=cfg.warmup_ratio,
-        lr_scheduler_type="cosine",
+        **policy_trainer_kwargs(cfg, recipe, device, record.dir, trackers),
         **how.options(cfg),
         **({"precompute_ref_log_probs": True} if how.reference else {}),
     )

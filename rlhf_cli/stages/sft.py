@@ -15,7 +15,6 @@ from rlhf_cli.modeling import (
     load_causal_lm,
     load_policy_tokenizer,
     pick_device,
-    resolve_dtype,
     upcast_trainable,
 )
 from rlhf_cli.recipe import Recipe
@@ -27,10 +26,10 @@ from rlhf_cli.stages.data_figures import sft_figures
 from rlhf_cli.stages.trainers import (
     StageCallback,
     drop_printer,
+    policy_trainer_kwargs,
     run_train_loss,
     start_or_resume_trainer,
     train_resumable,
-    trainer_kwargs,
 )
 from rlhf_cli.tracking import Trackers
 
@@ -103,14 +102,7 @@ def setup(
     model = load_causal_lm(recipe.model.name_or_path, model_cfg, device)
     check_context(model, {"sft.max_length": cfg.max_length}, "the policy")
     check_vocab(model, tokenizer, "model.tokenizer", "the policy")
-    dtype = resolve_dtype(recipe.model.dtype, device)
-    checkpointing = recipe.model.gradient_checkpointing
-    args = SFTConfig(
-        **trainer_kwargs(cfg, device, dtype, record.dir, recipe.run.seed, trackers, checkpointing),
-        max_length=cfg.max_length,
-        warmup_steps=cfg.warmup_ratio,
-        lr_scheduler_type="cosine",
-    )
+    args = SFTConfig(**policy_trainer_kwargs(cfg, recipe, device, record.dir, trackers))
     stage = StageCallback(console, "sft")
     trainer = SFTTrainer(
         model=model,

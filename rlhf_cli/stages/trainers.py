@@ -1,5 +1,6 @@
-"""What the two TRL-trained stages (sft, train-rm) share: the Trainer's arguments, its progress,
-log and Ctrl-C checkpoint (`StageCallback`), resuming it, and its mean loss over a resumed run.
+"""What the TRL-trained stages (sft, train-rm, the offline methods) share: the Trainer's
+arguments, its progress, log and Ctrl-C checkpoint (`StageCallback`), resuming it, and its mean
+loss over a resumed run.
 Kept apart from common.py so that a stage without a Trainer (ppo, audit) does not import
 transformers' Trainer, which loads peft and bitsandbytes."""
 
@@ -75,6 +76,24 @@ def trainer_kwargs(
         **{checkpointing: gradient_checkpointing},
         **{f"{checkpointing}_kwargs": {"use_reentrant": False}},
     )
+
+
+def policy_trainer_kwargs(
+    section: Any, recipe: Any, device: torch.device, out_dir: Path, trackers: Trackers
+) -> dict[str, Any]:
+    """`trainer_kwargs` for a stage that trains the policy on sequences (sft, the offline
+    methods): the recipe's dtype, seed and gradient checkpointing, the section's `max_length`,
+    and a linear warm-up over `warmup_ratio` of the steps into a cosine decay."""
+    from rlhf_cli.modeling import resolve_dtype
+
+    dtype = resolve_dtype(recipe.model.dtype, device)
+    checkpointing = recipe.model.gradient_checkpointing
+    return {
+        **trainer_kwargs(section, device, dtype, out_dir, recipe.run.seed, trackers, checkpointing),
+        "max_length": section.max_length,
+        "warmup_steps": section.warmup_ratio,
+        "lr_scheduler_type": "cosine",
+    }
 
 
 class StageCallback(TrainerCallback):
