@@ -45,6 +45,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from bench_hacking import setup  # sft and train-rm once, their held-out figures
+
 ROOT = Path(__file__).resolve().parent.parent
 RLHF = str(Path(sys.executable).parent / "rlhf")
 MODELS = {"tiny": "tiny.yaml", "smollm2": "smollm2-135m.yaml"}  # --model
@@ -104,23 +106,6 @@ def rlhf(*args: str) -> tuple[int, float, str]:
 
 def flags(sets: list[str]) -> list[str]:
     return [x for s in sets for x in ("--set", s)]
-
-
-def setup(recipe: Path, work: Path, base: str) -> dict[str, Any]:
-    """`rlhf sft` and `rlhf train-rm` once; their wall time (when run now) and held-out
-    figures."""
-    sets = flags([f"run.output_dir={work / 'runs'}", f"run.name={base}"])
-    figures: dict[str, Any] = {}
-    for stage, folder in (("sft", "sft"), ("train-rm", "rm")):
-        manifest = work / "runs" / base / folder / "manifest.json"
-        if not (manifest.is_file() and json.loads(manifest.read_text())["status"] == "completed"):
-            _, wall, _ = rlhf(stage, "--recipe", str(recipe), *sets, "--quiet")
-            figures[f"{folder}_wall_s"] = round(wall, 1)
-        metrics = json.loads(manifest.read_text())["metrics"]
-        figures |= {
-            f"{folder}_{k}": metrics[k] for k in ("eval_loss", "eval_accuracy") if k in metrics
-        }
-    return figures
 
 
 def heldout_file(recipe: Path, work: Path) -> Path:
