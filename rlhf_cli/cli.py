@@ -15,10 +15,11 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import sys
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
@@ -196,11 +197,25 @@ def resolve_recipe(recipe: Path | None, runs_dir: Path, sets: list[str] | None =
     return load_recipe(default_recipe_path(), sets)
 
 
-def _library_output(as_json: bool, quiet: bool = False) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def _library_output(as_json: bool, quiet: bool = False) -> Iterator[None]:
     """While a command works, what libraries print on stdout (DeepSpeed's accelerator notice,
     warnings printed rather than logged) goes to stderr when stdout must be pure JSON or
-    silent."""
-    return contextlib.redirect_stdout(sys.stderr) if as_json or quiet else contextlib.nullcontext()
+    silent; and under `--quiet` or `--json` the tqdm bars of TRL's own passes (the reference's
+    log-probs) stay off too: stderr is then for errors."""
+    if not (as_json or quiet):
+        yield
+        return
+    before = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop("TQDM_DISABLE")
+        else:
+            os.environ["TQDM_DISABLE"] = before
 
 
 def _stage(

@@ -117,7 +117,7 @@ METHODS = {
             True,
             False,
             "trl.experimental.orpo:ORPOTrainer:ORPOConfig",
-            lambda c: dict(beta=c.beta),
+            lambda c: dict(beta=c.beta, remove_unused_columns=False),  # else TRL warns and sets it
         ),
         # SimPO is CPO's `simpo` loss without CPO's NLL term (`cpo_alpha=0`), as TRL documents
         Method(
@@ -125,7 +125,13 @@ METHODS = {
             True,
             False,
             "trl.experimental.cpo:CPOTrainer:CPOConfig",
-            lambda c: dict(loss_type="simpo", cpo_alpha=0.0, beta=c.beta, simpo_gamma=c.gamma),
+            lambda c: dict(
+                loss_type="simpo",
+                cpo_alpha=0.0,
+                beta=c.beta,
+                simpo_gamma=c.gamma,
+                remove_unused_columns=False,
+            ),
         ),
     ]
 }

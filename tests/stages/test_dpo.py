@@ -78,6 +78,7 @@ def test_dpo_trains_and_a_rerun_reuses_the_reference_log_probs(
 ) -> None:
     result = dpo(run_copy)
     assert result.exit_code == 0, result.output
+    assert "Computing reference log probs" not in result.stderr  # TRL's tqdm, off under --json
     manifest = json.loads(result.stdout)
     stage = Path(manifest["dir"])
     metrics = manifest["metrics"]
