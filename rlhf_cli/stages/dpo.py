@@ -7,11 +7,14 @@ thumbs-up / thumbs-down rows, and from `trl.experimental` ORPO and SimPO (CPOTra
 
 The reference of DPO and KTO is the SFT model: with LoRA the policy with its adapter disabled
 (TRL builds the adapter from our `peft_config` and disables it for the reference: one copy of
-the weights), else a frozen copy of the SFT model. Its log-probs of every answer are computed
-once (TRL's `precompute_ref_log_probs`) and kept in `<method>/ref_logps/<split>.safetensors` with
-the hash of what they depend on (`reference_key`): a rerun or a resume with the same SFT weights,
-tokenised pairs and length reads them and runs no reference forward at all (the full-weights
-copy is not even loaded); anything else computes them again.
+the weights), else a frozen copy of the SFT model. On 4-bit weights (QLoRA) the policy's
+adapter is stacked over the frozen SFT adapter as PPO's is (`make_trainable`: merging into NF4
+would re-quantise the SFT delta away), and the reference is the SFT adapter alone on the base.
+Its log-probs of every answer are computed once (TRL's `precompute_ref_log_probs`) and kept in
+`<method>/ref_logps/<split>.safetensors` with the hash of what they depend on
+(`reference_key`): a rerun or a resume with the same SFT weights, tokenised pairs and length
+reads them and runs no reference forward at all (the full-weights copy is not even loaded);
+anything else computes them again.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from rlhf_cli.data.rows import Conversation, StageData, describe
 from rlhf_cli.errors import DataError, StageError
 from rlhf_cli.model_checks import check_context, check_lora_targets, check_vocab
 from rlhf_cli.modeling import (
+    PPO_ADAPTER,
     load_policy_tokenizer,
     load_sft_model,
     lora_config,
@@ -47,9 +51,11 @@ from rlhf_cli.stages.common import drop_checkpoints, seed_everything
 from rlhf_cli.stages.offline_health import report_health
 from rlhf_cli.stages.reference_cache import (
     REF_LOGPS,
+    SPLITS,
     CachedReferenceDPO,
     CachedReferenceKTO,
     ReferenceCache,
+    drop_trl_reference_adapter,
     reference_identity,
 )
 from rlhf_cli.stages.trained import policy_source
@@ -147,11 +153,6 @@ def run_offline(recipe: Recipe, console: Console, method: str, resume: bool = Fa
     run = RunDir.for_recipe(recipe)
     if recipe.data.preferences is None:
         raise StageError(f"{command} trains on preference data: set data.preferences")
-    if recipe.model.quantization.load_in_4bit:
-        raise StageError(
-            f"{command} does not train on 4-bit weights yet: set "
-            "model.quantization.load_in_4bit: false"
-        )
     inputs: dict[str, InputRecord] = {}
     base, sft_adapter, tokenizer_source = start_source(recipe, run, inputs, method)
     is_main = PartialState().is_main_process
@@ -236,13 +237,13 @@ def setup(
     identity = reference_identity(recipe, record, cfg.max_length)
     cache = ReferenceCache(record.dir / REF_LOGPS, identity, record.write)
     peft_config, ref_model = None, None
-    if recipe.model.lora.enabled:
+    if recipe.model.lora.enabled and not recipe.model.quantization.load_in_4bit:
         check_lora_targets(model, recipe.model.lora, "model.lora.target_modules")
         peft_config = lora_config(recipe.model.lora, "CAUSAL_LM")
-    else:
+    else:  # whole weights; or a 4-bit base given its adapter here, over the SFT one if any
         model = make_trainable(model, recipe.model, "CAUSAL_LM")
-        if how.reference and not cache.complete(("train", "eval")):  # the SFT model, frozen
-            ref_model = load_sft_model(recipe.model, base, sft_adapter, device)
+        if how.reference and not recipe.model.lora.enabled and not cache.complete(SPLITS):
+            ref_model = load_sft_model(recipe.model, base, sft_adapter, device)  # frozen
     extra = {"cache": cache, "ref_model": ref_model} if how.reference else {}
     trainer_class, config_class = how.classes()
     args = config_class(
@@ -263,6 +264,7 @@ def setup(
     )
     if how.reference:
         trainer.ref_model = None  # its log-probs are kept: the copy is not needed to train
+        drop_trl_reference_adapter(trainer.model)
     record.manifest["reference"] = cache.summary() if how.reference else None
     drop_printer(trainer)
     upcast_trainable(trainer.model)
@@ -434,7 +436,9 @@ def save(
     tokenizer.padding_side = "left"  # what generation needs downstream
     tokenizer.save_pretrained(record.dir / "tokenizer")
     kind = "adapter" if recipe.model.lora.enabled else "model"
-    extra = {"save_embedding_layers": False} if kind == "adapter" else {}
+    # the adapter that trained alone (on a 4-bit base, never the frozen SFT one under it)
+    adapter = {"save_embedding_layers": False, "selected_adapters": [PPO_ADAPTER]}
+    extra = adapter if kind == "adapter" else {}
     trainer.model.save_pretrained(record.dir / kind, **extra)
     shared = set(OfflineSection.model_fields) - {"beta"}
     record.manifest["method"] = {

@@ -5,18 +5,23 @@ keyed on a hash of every weight, in a temporary folder)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from trl import DPOTrainer, KTOTrainer
 
+from rlhf_cli.modeling import SFT_ADAPTER, has_sft_adapter, only_adapter
 from rlhf_cli.recipe import Recipe
 from rlhf_cli.record import StageRecord
 
 REF_LOGPS = "ref_logps"  # the reference log-prob cache's folder in the stage's folder
+SPLITS = ("train", "eval")  # the splits whose log-probs are kept
+TRL_REFERENCE_ADAPTER = "ref"  # what TRL names its copy of a PeftModel's adapter
 
 
 def reference_identity(recipe: Recipe, record: StageRecord, max_length: int) -> dict[str, Any]:
@@ -108,7 +113,8 @@ class CachedReference:
             for column, values in kept.items():
                 dataset = dataset.add_column(column, values.tolist())
             return dataset
-        dataset = super()._precompute_ref_logps(dataset, name, batch_size)  # type: ignore[misc]
+        with sft_reference(self):
+            dataset = super()._precompute_ref_logps(dataset, name, batch_size)  # type: ignore[misc]
         cache.save(name, key, {c: torch.tensor(dataset[c]) for c in columns})
         cache.status[name] = "computed"
         return dataset
@@ -131,3 +137,36 @@ class CachedReferenceKTO(CachedReference, KTOTrainer):
 
     def ref_columns(self) -> tuple[str, ...]:
         return self.REF_COLUMNS if self.calculate_KL else self.REF_COLUMNS[:1]
+
+
+@contextlib.contextmanager
+def sft_reference(trainer: Any) -> Iterator[None]:
+    """On a 4-bit base whose policy adapter is stacked over the frozen SFT adapter, the
+    reference is the SFT adapter alone: TRL would disable every adapter (or use its "ref" copy
+    of the new, zero one), which is the base, so for the pass it is handed the policy with only
+    the SFT adapter active as a reference model of its own. Elsewhere TRL's way holds."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if not has_sft_adapter(model):
+        yield
+        return
+    with only_adapter(model, SFT_ADAPTER):
+        trainer.ref_model = model
+        try:
+            yield
+        finally:
+            trainer.ref_model = None
+
+
+def drop_trl_reference_adapter(model: Any) -> None:
+    """TRL copies a given PeftModel's adapter as "ref" to compute the reference from; with the
+    log-probs kept (and the 4-bit reference handed over by `sft_reference`) it is never used,
+    so it goes, and the adapters that trained and were active stay so."""
+    if TRL_REFERENCE_ADAPTER not in getattr(model, "peft_config", {}):
+        return
+    lora = model.base_model
+    active = [a for a in lora.active_adapters if a != TRL_REFERENCE_ADAPTER]
+    trains = {n: p.requires_grad for n, p in model.named_parameters()}
+    model.delete_adapter(TRL_REFERENCE_ADAPTER)
+    lora.set_adapter(active)
+    for name, param in model.named_parameters():
+        param.requires_grad_(trains[name])
