@@ -147,8 +147,8 @@ def ppo_loss(actor: Any, batch: dict, variant: dict[str, bool]) -> Any:
         values, batch["old_values"], batch["returns"], mask, cfg.cliprange_value
     )
     with torch.no_grad() if variant["entropy_no_grad"] else nullcontext():
-        scaled = logits.float() / score_temperature(cfg.generation)
-        entropy = core.masked_mean(core.entropy_from_logits(scaled), mask)
+        entropy = core.entropy_from_logits(logits, score_temperature(cfg.generation))
+        entropy = core.masked_mean(entropy, mask)
     return pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy
 
 

@@ -7,10 +7,15 @@ from its first use until it is freed.
 Counting every op costs time (the tiny recipe's PPO stage ran 2.2x as long), so a training
 stage counts over a window that holds its steady-state peak and then closes it (`close_window`):
 two optimiser steps (the second is the first with AdamW's moments alive through a backward)
-or two PPO iterations."""
+or two PPO iterations.
+
+`release_freed_memory` works on the other side of that gap: it hands the allocator's free
+pages back to the OS between PPO's phases."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import weakref
 from typing import Any
 
@@ -81,3 +86,24 @@ def close_window() -> None:
         counter = _window.pop()
         if counter.counting:
             counter.__exit__(None, None, None)
+
+
+@functools.cache
+def _libc_trim() -> Any:
+    """glibc's `malloc_trim`, or None where the C library is another (macOS, musl)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc `malloc_trim`) between phases of a
+    step whose allocations differ (PPO's rollout and update). glibc keeps the pages of freed
+    tensors below its mmap threshold (which rises to 32 MB as large blocks are freed) in its
+    arenas, and a phase whose blocks do not fit those holes takes fresh pages: SmolLM2's GRPO
+    iteration then held about 1 GB more resident memory in its rollout after an update, and its
+    peak (the update) about 60 MB more. A few milliseconds a call; nothing where it is absent."""
+    trim = _libc_trim()
+    if trim is not None:
+        trim(0)

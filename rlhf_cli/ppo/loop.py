@@ -45,7 +45,7 @@ from rlhf_cli.ppo.run import (
 from rlhf_cli.recipe import PpoSection
 from rlhf_cli.resume import PPO_CHECKPOINT, checkpoint_folders
 from rlhf_cli.stopping import graceful_stop
-from rlhf_cli.tensor_peak import WINDOW_STEPS, close_window
+from rlhf_cli.tensor_peak import WINDOW_STEPS, close_window, release_freed_memory
 from rlhf_cli.tracking import make_progress
 
 
@@ -156,11 +156,13 @@ def run_iteration(
     #    update's forward gives them, rollout.old_logprobs_at_update), values, reference
     #    log-probs.
     rollout = collect_rollout(run, iteration)
+    release_freed_memory()  # generation's blocks, which the update's do not fit
     # 2. Advantages from KL-shaped rewards.
     shaped = advantages_of(rollout, kl_coef, cfg, global_sum(acc), global_rows(acc))
     # 3. Update: K epochs over shuffled mini-batches.
     t_update = time.perf_counter()
     stats = ppo_update(run, rollout, shaped.advantages, shaped.returns, kl_coef)
+    release_freed_memory()  # the update's activations, before the next rollout
     update_s = time.perf_counter() - t_update
     # 4. β moves once per iteration, toward the target KL (measured after the update, whose
     #    forward may have given the old log-probs).
@@ -273,9 +275,8 @@ def minibatch_loss(
         logprobs, old, advantages[idx], mask, cfg.cliprange, weights, cfg.cliprange_high,
         level=cfg.importance_ratio, **how,
     )  # fmt: skip
-    with nullcontext() if cfg.entropy_coef > 0 else torch.no_grad():
-        scaled = logits.float() / score_temperature(cfg.generation)  # the full distribution
-        entropy = core.entropy_from_logits(scaled)
+    with nullcontext() if cfg.entropy_coef > 0 else torch.no_grad():  # the full distribution
+        entropy = core.entropy_from_logits(logits, score_temperature(cfg.generation))
     loss = pg_loss - cfg.entropy_coef * core.aggregate_loss(entropy, mask, **how)
     parts = {
         "ppo/loss/policy": pg_loss,

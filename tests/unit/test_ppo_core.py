@@ -10,6 +10,7 @@ from torch.testing import assert_close
 
 from rlhf_cli.generation import logprobs_from_logits
 from rlhf_cli.ppo.core import (
+    ENTROPY_CHUNK_ROWS,
     AdaptiveKLController,
     FixedKLController,
     aggregate_loss,
@@ -483,6 +484,24 @@ def test_entropy_matches_manual() -> None:
     logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     p = torch.softmax(logits, dim=-1)
     assert_close(entropy_from_logits(logits), -(p * torch.log(p)).sum(-1))
+
+
+def test_entropy_in_chunks_matches_the_whole_softmax_and_its_gradient() -> None:
+    """More positions than a chunk, at a temperature: the same entropy and the same gradient
+    (each chunk recomputed in the backward pass) as the formula on the whole tensor."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 100, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    assert logits[..., 0].numel() > 2 * ENTROPY_CHUNK_ROWS
+    p = torch.softmax(logits / 0.7, dim=-1)
+    expected = -(p * torch.log(p)).sum(-1)
+    weights = torch.randn(3, 100, generator=g, dtype=torch.float64)
+    (want,) = torch.autograd.grad((expected * weights).sum(), logits)
+    chunked = entropy_from_logits(logits, 0.7)
+    assert_close(chunked, expected)
+    (got,) = torch.autograd.grad((chunked * weights).sum(), logits)
+    assert_close(got, want)
+    with torch.no_grad():
+        assert_close(entropy_from_logits(logits, 0.7), expected.detach())
 
 
 def test_logprobs_from_logits_matches_manual() -> None:
