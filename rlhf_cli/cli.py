@@ -269,6 +269,14 @@ def validate(
             "and tokenised.",
         ),
     ] = 2000,
+    stages: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--stage",
+            help="With --data: check this stage's data (sft, train-rm, ppo, dpo, kto, orpo, "
+            "simpo) instead of the stages the recipe runs; repeatable.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     runs_dir: RunsOpt = Path("runs"),
 ) -> None:
@@ -277,7 +285,7 @@ def validate(
     resolved = resolve_recipe(recipe, runs_dir, sets)
     require_trackers(resolved.run.trackers)  # what the training stages would refuse
     if data:
-        _check_data(resolved, row, sample, as_json)
+        _check_data(resolved, row, sample, as_json, stages)
         return
     if as_json:
         typer.echo(json.dumps(resolved.model_dump(mode="json"), indent=2))
@@ -285,13 +293,15 @@ def validate(
         typer.echo(resolved.to_yaml(), nl=False)
 
 
-def _check_data(recipe: Recipe, row: int | None, sample: int, as_json: bool) -> None:
+def _check_data(
+    recipe: Recipe, row: int | None, sample: int, as_json: bool, stages: list[str] | None
+) -> None:
     from rlhf_cli.errors import DataError
     from rlhf_cli.stages.datacheck import check_data
 
     quiet_libraries()
     with _library_output(as_json):
-        result = check_data(recipe, row, sample)
+        result = check_data(recipe, row, sample, stages)
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     else:
@@ -337,7 +347,8 @@ def plan(
         list[str] | None,
         typer.Option(
             "--stage",
-            help="Plan only this stage (sft, train-rm, ppo, audit, merge, dpo); repeatable.",
+            help="Plan only this stage (sft, train-rm, ppo, audit, merge, dpo, kto, orpo, "
+            "simpo); repeatable.",
         ),
     ] = None,
     as_json: JsonOpt = False,

@@ -371,7 +371,13 @@ def audit_report(report: dict[str, Any], cfg: AuditSection, out: Console, title:
         out.print(f"report: {report['path']}", highlight=False)
 
 
-STAGE_TITLES = {"sft": "sft", "preferences": "train-rm (preferences)", "prompts": "ppo (prompts)"}
+STAGE_TITLES = {
+    "sft": "sft",
+    "preferences": "train-rm (preferences)",
+    "prompts": "ppo (prompts)",
+    **{m: f"{m} (pairs, policy tokenizer)" for m in ("dpo", "orpo", "simpo")},
+    "kto": "kto (thumbs rows, policy tokenizer)",
+}
 
 
 def _lengths(figures: dict[str, Any], key: str) -> str:
@@ -412,6 +418,8 @@ def data_check(result: dict[str, Any], out: Console) -> None:
                 f"chosen longer in {bias['chosen_longer_share']:.0%} of pairs, "
                 f"mean length ratio {bias['mean_length_ratio']}",
             )
+        if "thumbs_up_share" in figures:
+            table.add_row("thumbs up", f"{figures['thumbs_up_share']:.0%} of rows")
         if "heldout" in figures:
             table.add_row(
                 "train / held-out",
@@ -429,7 +437,7 @@ def _row(stage: str, row: dict[str, Any], out: Console) -> None:
         out.print(f"[bold]ppo generates from ({row['tokens']} tokens):[/]")
         out.print(f"[dim]{escape(row['generates_from'])}[/]", highlight=False)
         return
-    sides = row.items() if stage == "preferences" else [("", row)]
+    sides = row.items() if "chosen" in row else [("", row)]  # a pair's two answers
     for side, marked in sides:
         role = "trained" if "trained" in marked else "scored"
         what = f"{stage} {side}".strip()

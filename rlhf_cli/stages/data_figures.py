@@ -3,7 +3,8 @@
 
 Per stage: rows read and kept, the layout of each source, token-length percentiles of prompts
 and answers against the recipe's limits, how many rows the limits cut or drop and why; for
-preferences the pairs with identical answers and the length bias (how often the chosen answer is
+preferences (the reward model's, or an offline method's under the policy's tokenizer) the pairs
+with identical answers and the length bias (how often the chosen answer is
 the longer one: what a reward model learns as a length hack); for PPO prompts the held-out
 prompts that are also training prompts, and what the cut to `data.prompts.max_tokens` does
 (tokenised as PPO tokenises, so a template that fails on a prompt fails here first).
@@ -122,7 +123,6 @@ def preference_figures(
         chosen.append(lengths[0])
         rejected.append(lengths[1])
         over += scorer.encode([text, text], [pair.chosen, pair.rejected])[1] > 0
-    ratios = [c / max(r, 1) for c, r in zip(chosen, rejected, strict=True)]
     return {
         **_base(data, sample),
         "prompt_tokens": percentiles(prompts),
@@ -130,16 +130,67 @@ def preference_figures(
         "limits": {"reward.max_length": scorer.max_length},
         "over_limit": {"prompt start cut at reward.max_length": over},
         "identical_answers": data.dropped.get("identical answers", 0),
-        "length_bias": {
-            "chosen_longer_share": _share(c > r for c, r in zip(chosen, rejected, strict=True)),
-            "mean_length_ratio": round(statistics.fmean(ratios), 3) if ratios else None,
-        },
+        "length_bias": _length_bias(chosen, rejected),
     }
 
 
 def _share(flags: Any) -> float | None:
     flags = list(flags)
     return round(sum(flags) / len(flags), 3) if flags else None
+
+
+# ── the offline methods ─────────────────────────────────────────────────────────────────────────
+
+
+def offline_figures(
+    data: StageData[Any], tokenizer: Any, chat: bool, limit: tuple[str, int], sample: int = SAMPLE
+) -> dict[str, Any]:
+    """`rlhf dpo`, `kto`, `orpo` and `simpo`'s rows (pairs, or thumbs rows with a `label`) under
+    the policy's tokenizer, each answer after its prompt as SFT tokenises it (`sft_tokens`),
+    against `limit` (`<method>.max_length`): the answers it cuts, the rows whose prompt fills it
+    (TRL drops them); for pairs the length bias (a preference for length is learnt by these
+    methods as readily as by a reward model), for thumbs rows the share of thumbs-up."""
+    field, max_length = limit
+    prompts, answers, chosen, rejected, ups = [], [], [], [], []
+    cut = dropped = 0
+    for item in data.items[:sample]:
+        paired = hasattr(item, "chosen")
+        sides = (item.chosen, item.rejected) if paired else (item.completion,)
+        lengths = []
+        for answer in sides:
+            ids, start = sft_tokens(Example(item.prompt, answer), tokenizer, chat)
+            lengths.append(len(ids) - start)
+            cut += start < max_length < len(ids)
+        prompts.append(start)
+        answers += lengths
+        dropped += start >= max_length
+        if paired:
+            chosen.append(lengths[0])
+            rejected.append(lengths[1])
+        else:
+            ups.append(item.label)
+    figures = {
+        **_base(data, sample),
+        "prompt_tokens": percentiles(prompts),
+        "answer_tokens": percentiles(answers),
+        "limits": {field: max_length},
+        "over_limit": {f"answers cut at {field}": cut, "rows whose prompt fills it": dropped},
+    }
+    if ups:
+        figures["thumbs_up_share"] = _share(ups)
+    else:
+        figures["identical_answers"] = data.dropped.get("identical answers", 0)
+        figures["length_bias"] = _length_bias(chosen, rejected)
+    return figures
+
+
+def _length_bias(chosen: list[int], rejected: list[int]) -> dict[str, float | None]:
+    """How often the chosen answer is the longer, and the mean ratio of their lengths."""
+    ratios = [c / max(r, 1) for c, r in zip(chosen, rejected, strict=True)]
+    return {
+        "chosen_longer_share": _share(c > r for c, r in zip(chosen, rejected, strict=True)),
+        "mean_length_ratio": round(statistics.fmean(ratios), 3) if ratios else None,
+    }
 
 
 # ── PPO prompts ─────────────────────────────────────────────────────────────────────────────────

@@ -283,11 +283,21 @@ def paired_data(
     recipe: Recipe, run: RunDir, record: StageRecord, method: str
 ) -> tuple[list[Pair], list[Pair]]:
     """(training pairs, held-out pairs) of `data.preferences`, split as `rlhf train-rm` splits
-    them; rows without a chosen and a rejected answer are a DataError naming their layout."""
-    source = recipe.data.preferences
-    cache_dir = run.path / ".cache"
+    them."""
+    data = read_pairs(recipe.data.preferences, method, run.path / ".cache")
+    same = data.dropped.get("identical answers", 0)
+    if same:
+        record.warn(f"{same} preference pair(s) have the same chosen and rejected answer: skipped")
+    return split_and_record(recipe, record, data)
+
+
+def read_pairs(
+    source: StageSource, method: str, cache_dir: Path | None, limit: int | None = None
+) -> StageData[Pair]:
+    """The pairs of `source` (the first `limit` rows of each part); rows without a chosen and a
+    rejected answer are a DataError naming their layout."""
     try:
-        data = load_preferences(source, cache_dir=cache_dir)
+        return load_preferences(source, cache_dir=cache_dir, limit=limit)
     except DataError:
         unpaired = unpaired_layout(source, cache_dir)
         if unpaired is None:
@@ -297,10 +307,6 @@ def paired_data(
             f"{method} needs a chosen and a rejected answer per row (`prompt`, `chosen`, "
             "`rejected`); rlhf kto trains on such rows"
         ) from None
-    same = data.dropped.get("identical answers", 0)
-    if same:
-        record.warn(f"{same} preference pair(s) have the same chosen and rejected answer: skipped")
-    return split_and_record(recipe, record, data)
 
 
 def split_and_record(
@@ -333,12 +339,21 @@ class Thumb:
 def thumbs_data(
     recipe: Recipe, run: RunDir, record: StageRecord, chat: bool
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(training rows, held-out rows) of `data.preferences` in TRL's unpaired format: each
-    source's rows `prompt`, `completion` and a boolean `label` (SFT's prompt-completion reader,
-    `example_of`, plus the label); paired rows are a DataError naming their layout."""
-    source, data = recipe.data.preferences, StageData([])
+    """(training rows, held-out rows) of `data.preferences` in TRL's unpaired format."""
+    data = read_thumbs(recipe.data.preferences, run.path / ".cache")
+    train, held = split_and_record(recipe, record, data)
+    return [[trl_thumb(t, chat) for t in side] for side in (train, held)]  # type: ignore[return-value]
+
+
+def read_thumbs(
+    source: StageSource, cache_dir: Path | None, limit: int | None = None
+) -> StageData[Thumb]:
+    """The rows of `source` (the first `limit` of each part): `prompt`, `completion` and a
+    boolean `label` (SFT's prompt-completion reader, `example_of`, plus the label); paired
+    rows are a DataError naming their layout."""
+    data: StageData[Thumb] = StageData([])
     for index, spec in enumerate(source.parts()):
-        rows, sampled = read_source(spec, run.path / ".cache")
+        rows, sampled = read_source(spec, cache_dir, limit=limit)
         data.sampled = data.sampled or sampled
         paired = layout_of(rows[0].values, "preferences")
         if paired:
@@ -360,8 +375,7 @@ def thumbs_data(
                 )
             data.items.append(Thumb(example.prompt, example.answer, label))
             data.origins.append(index)
-    train, held = split_and_record(recipe, record, data)
-    return [[trl_thumb(t, chat) for t in side] for side in (train, held)]  # type: ignore[return-value]
+    return data
 
 
 def trl_thumb(thumb: Thumb, chat: bool) -> dict[str, Any]:
@@ -373,7 +387,7 @@ def trl_thumb(thumb: Thumb, chat: bool) -> dict[str, Any]:
     return {"prompt": text, "completion": thumb.completion, "label": thumb.label}
 
 
-def unpaired_layout(source: StageSource, cache_dir: Path) -> tuple[str, str] | None:
+def unpaired_layout(source: StageSource, cache_dir: Path | None) -> tuple[str, str] | None:
     """(the source, its layout) of the first source whose rows hold one answer each (a
     prompt-completion row, KTO's with a `label`), or None."""
     for spec in source.parts():

@@ -196,6 +196,59 @@ def test_validate_data_reports_each_stage_and_the_stages_record_the_same(
     assert data_line(record.manifest["data"]) == f"10/10 rows, {layout}"  # `rlhf status`
 
 
+def test_validate_data_checks_the_offline_methods_asked_for(small_recipe, tmp_path: Path) -> None:
+    """`--stage dpo`: the pairs under the policy's tokenizer (its chat template, SFT's tokens),
+    against `dpo.max_length`; `--stage kto` on the same pairs: one line naming their layout,
+    exit 2; KTO's thumbs rows: the share of thumbs-up."""
+    data = write_multi_turn(tmp_path / "data", system=False)
+    recipe_path = small_recipe(tmp_path, {"data": data})
+
+    def check(*args: str) -> tuple[int, dict[str, Any]]:
+        argv = ["validate", "--data", "--recipe", str(recipe_path), "--json", *args]
+        result = CliRunner().invoke(app, argv)
+        return result.exit_code, json.loads(result.stdout)["stages"]
+
+    code, stages = check("--stage", "dpo", "--stage", "kto", "--row", "2")
+    assert code == 2 and set(stages) == {"dpo", "kto"}
+    assert stages["kto"]["error"].startswith(f"{data['preferences']['path']}: its rows are paired")
+    dpo = stages["dpo"]
+    limit = load_recipe(recipe_path).dpo.max_length
+    assert dpo["kept"] == 10 and dpo["limits"] == {"dpo.max_length": limit}
+    assert dpo["length_bias"]["chosen_longer_share"] == 1.0  # every good answer is longer
+    assert dpo["row"]["chosen"]["trained"].startswith("Cook the pasta gently")
+    assert dpo["row"]["rejected"]["trained"].startswith("No idea.")
+    assert "How long should I cook the pasta" in dpo["row"]["chosen"]["context"]
+    prompt = dpo["row"]["chosen"]["context_tokens"]  # every prompt is as long, give or take a word
+    assert dpo["prompt_tokens"]["p50"] in range(prompt - 2, prompt + 3)
+    cut = {"answers cut at dpo.max_length": 0, "rows whose prompt fills it": 0}
+    assert dpo["over_limit"] == cut
+
+    # a limit inside every prompt: every row dropped by TRL, counted as such
+    _, stages = check("--stage", "orpo", "--set", "orpo.max_length=8")
+    assert stages["orpo"]["over_limit"] == {
+        "answers cut at orpo.max_length": 0,
+        "rows whose prompt fills it": 10,
+    }
+
+    thumbs = tmp_path / "thumbs.jsonl"
+    rows = [
+        {"prompt": f"How do I cook {t}?", "completion": f"Cook the {t} gently.", "label": i < 3}
+        for i, t in enumerate(TOPICS)
+    ]
+    thumbs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    code, stages = check("--stage", "kto", "--set", f"data.preferences.path={thumbs}")
+    assert code == 0 and stages["kto"]["kept"] == 10 and stages["kto"]["thumbs_up_share"] == 0.3
+    code, stages = check("--stage", "simpo", "--set", f"data.preferences.path={thumbs}")
+    assert code == 2 and "its rows are unpaired" in stages["simpo"]["error"]
+
+
+def test_validate_data_refuses_an_unknown_stage(make_recipe) -> None:
+    argv = ["validate", "--data", "--recipe", str(make_recipe()), "--stage", "rlhf"]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2
+    assert "--stage rlhf: one of sft, train-rm, ppo, dpo, kto, orpo, simpo" in result.stderr
+
+
 def test_validate_data_exits_2_when_a_stage_would_get_no_rows(make_recipe) -> None:
     recipe = make_recipe({"data": {"prompts": {"min_words": 500}}})
     result = CliRunner().invoke(app, ["validate", "--data", "--recipe", str(recipe)])
