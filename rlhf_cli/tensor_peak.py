@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 import weakref
 from typing import Any
 
@@ -97,13 +98,22 @@ def _libc_trim() -> Any:
         return None
 
 
-def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc `malloc_trim`) between phases of a
-    step whose allocations differ (PPO's rollout and update). glibc keeps the pages of freed
-    tensors below its mmap threshold (which rises to 32 MB as large blocks are freed) in its
-    arenas, and a phase whose blocks do not fit those holes takes fresh pages: SmolLM2's GRPO
-    iteration then held about 1 GB more resident memory in its rollout after an update, and its
-    peak (the update) about 60 MB more. A few milliseconds a call; nothing where it is absent."""
+_trimmed = [0.0]  # when release_freed_memory last trimmed (time.monotonic)
+
+
+def release_freed_memory(every: float = 1.0) -> None:
+    """Hand the heap's free pages back to the OS (glibc `malloc_trim`), at most once every
+    `every` seconds, between the phases of a step whose allocations differ (PPO's rollout, each
+    mini-batch of its update). glibc keeps the pages of freed tensors below its mmap threshold
+    (which rises to 32 MB as large blocks are freed) in its arenas, and an allocation that does
+    not fit their holes takes fresh pages. On SmolLM2's GRPO iteration (4 in-process runs of 4
+    iterations) the resident peak fell from 3214 MB to 3111 MB trimmed after the rollout and the
+    update, and to 2850 MB trimmed after each mini-batch too; a call took 53 ms there (3 ms on
+    the tiny model, whose mini-batches take less than a second: hence `every`). Nothing where
+    glibc is absent."""
     trim = _libc_trim()
-    if trim is not None:
-        trim(0)
+    now = time.monotonic()
+    if trim is None or now - _trimmed[0] < every:
+        return
+    trim(0)
+    _trimmed[0] = time.monotonic()

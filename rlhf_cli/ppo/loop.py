@@ -162,7 +162,7 @@ def run_iteration(
     # 3. Update: K epochs over shuffled mini-batches.
     t_update = time.perf_counter()
     stats = ppo_update(run, rollout, shaped.advantages, shaped.returns, kl_coef)
-    release_freed_memory()  # the update's activations, before the next rollout
+    release_freed_memory()  # the last mini-batch's activations, before the next rollout
     update_s = time.perf_counter() - t_update
     # 4. β moves once per iteration, toward the target KL (measured after the update, whose
     #    forward may have given the old log-probs).
@@ -231,6 +231,7 @@ def ppo_update(
             for key, value in parts.items():
                 share = part.loss if key.startswith("ppo/loss/") else part.tokens
                 stats[key].append(value.item() * share)
+            release_freed_memory()  # this mini-batch's activations, before the next one's
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
     out["ppo/optimizer_steps"] = float(len(stats["grad_norm"]))
     out["ppo/skipped_minibatches"] = float(skipped)

@@ -28,6 +28,18 @@ def test_freed_heap_blocks_go_back_to_the_os() -> None:
     last = blocks[-1]  # keeps the heap's top: free() alone cannot shrink it
     del blocks
     held = resident_mib()
-    release_freed_memory()
+    release_freed_memory(every=0.0)
     assert resident_mib() < held - 200
     assert last.sum().item() == 2**18
+
+
+def test_it_trims_at_most_once_every_so_many_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rlhf_cli.tensor_peak as tensor_peak
+
+    calls: list[int] = []
+    monkeypatch.setattr(tensor_peak, "_libc_trim", lambda: calls.append)
+    monkeypatch.setattr(tensor_peak, "_trimmed", [0.0])
+    release_freed_memory(every=60.0)  # the first: long after "0"
+    release_freed_memory(every=60.0)  # a moment later: skipped
+    release_freed_memory(every=0.0)
+    assert calls == [0, 0]
