@@ -388,9 +388,17 @@ def add_ppo_adapter(model: Any, config: Any) -> Any:
     if not has_sft_adapter(model):
         return get_peft_model(model, config)
     model.add_adapter(PPO_ADAPTER, config)
-    model.base_model.set_adapter([SFT_ADAPTER, PPO_ADAPTER])
-    model.base_model.set_requires_grad(SFT_ADAPTER, requires_grad=False)
+    stack_adapters(model)
     return model
+
+
+def stack_adapters(model: Any) -> None:
+    """Both adapters of a 4-bit SFT model active, the trained one first and alone trainable.
+    First, because transformers' Trainer resumes a PeftModel (the offline methods' --resume)
+    into its first active adapter, and then leaves that one alone active: the stage stacks them
+    again once the checkpoint has loaded (`StageCallback.on_train_begin`)."""
+    model.base_model.set_adapter([PPO_ADAPTER, SFT_ADAPTER])
+    model.base_model.set_requires_grad(SFT_ADAPTER, requires_grad=False)
 
 
 def with_trained_adapter(sft_model: Any, folder: Path) -> Any:

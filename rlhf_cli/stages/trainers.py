@@ -15,6 +15,7 @@ from rich.console import Console
 from transformers import TrainerCallback
 
 from rlhf_cli.errors import checkpoint_mismatch, is_shape_error
+from rlhf_cli.modeling import has_sft_adapter, stack_adapters
 from rlhf_cli.record import StageRecord
 from rlhf_cli.stages.common import start_or_resume
 from rlhf_cli.stopping import StopRequest, graceful_stop
@@ -122,6 +123,9 @@ class StageCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.began = True  # a resumed checkpoint has loaded by now
+        model = kwargs.get("model")
+        if has_sft_adapter(model):  # the Trainer's resume left the trained adapter alone active
+            stack_adapters(model)
         if state.is_world_process_zero:
             self.progress.start()
             self.task = self.progress.add_task(self.description, total=state.max_steps, info="")

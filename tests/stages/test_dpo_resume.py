@@ -31,30 +31,42 @@ SETTINGS = {
     "dpo": {"learning_rate": 1e-3, "batch_size": 16, "max_length": 128, "save_steps": 2},
 }
 STOP = 3
+# 4-bit: the LoRA SFT adapter frozen on the NF4 base, DPO's adapter stacked over it
+QLORA = {
+    **SETTINGS,
+    "model": {"quantization": {"load_in_4bit": True, "compute_dtype": "float32"}},
+    "sft": {"epochs": 1, "full_finetune": False, "learning_rate": 5e-3},
+}
 
 
-@pytest.fixture(scope="module")
-def sft_run(small_recipe: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=[SETTINGS, QLORA], ids=["lora", "4-bit"])
+def sft_run(
+    request: pytest.FixtureRequest,
+    small_recipe: Callable[..., Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, dict[str, Any]]:
     from rlhf_cli.stages.sft import run_sft
 
     folder = tmp_path_factory.mktemp("dpo_resume_sft")
-    run_sft(load_recipe(small_recipe(folder, SETTINGS)), QUIET)
-    return folder
+    run_sft(load_recipe(small_recipe(folder, request.param)), QUIET)
+    return folder, request.param
 
 
 def test_an_interrupted_dpo_resumed_ends_where_an_uninterrupted_one_does(
-    sft_run: Path,
+    sft_run: tuple[Path, dict[str, Any]],
     small_recipe: Callable[..., Path],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from trl import DPOTrainer
 
+    sft_folder, settings = sft_run
+
     def dpo(name: str, *args: str) -> Any:
         """`rlhf dpo` on the run in `name`/, copied from the SFT run the first time."""
         if not (tmp_path / name).exists():
-            shutil.copytree(sft_run / "runs", tmp_path / name / "runs")
-        recipe = small_recipe(tmp_path / name, SETTINGS)
+            shutil.copytree(sft_folder / "runs", tmp_path / name / "runs")
+        recipe = small_recipe(tmp_path / name, settings)
         return CliRunner().invoke(app, ["dpo", "--recipe", str(recipe), "--json", *args])
 
     done = dpo("whole")
