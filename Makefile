@@ -134,7 +134,7 @@ format: $(STAMP)
 
 # the guide's Part 12 table measured (#52): PPO (GAE), GRPO, DPO (sigmoid, ipo), KTO, ORPO, SimPO
 # from one SFT and reward model, 3 seeds, each run its own process, written as it ends (rerun to
-# resume): bench/methods.json. METHODS_MODEL=smollm2 runs SmolLM2 (not run yet).
+# resume): bench/methods.json. METHODS_MODEL=smollm2 runs SmolLM2 (seed 0 of PPO and GRPO run).
 METHODS_MODEL ?= tiny
 bench-methods: $(STAMP)
 	$(PY) bench/bench_methods.py --model $(METHODS_MODEL) --out bench/methods.json

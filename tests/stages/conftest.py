@@ -18,6 +18,22 @@ from rlhf_cli.rundir import RunDir
 
 
 @pytest.fixture(scope="session")
+def sft_folder(
+    small_recipe: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str, dict[str, Any]], Path]:
+    """`sft_folder(name, updates)`: a tiny SFT run with the recipe `updates` in a new folder,
+    what a module's fixture trains once and each of its tests copies."""
+    from rlhf_cli.stages.sft import run_sft
+
+    def train(name: str, updates: dict[str, Any]) -> Path:
+        folder = tmp_path_factory.mktemp(name)
+        run_sft(load_recipe(small_recipe(folder, updates)), Console(stderr=True, quiet=True))
+        return folder
+
+    return train
+
+
+@pytest.fixture(scope="session")
 def pipeline(small_recipe: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """sft + train-rm once for the session, reporting to TensorBoard and trackio (checked in
     test_trackers); tests copy the folder and run PPO on their copy."""

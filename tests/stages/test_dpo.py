@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 from typer.testing import CliRunner
 
 from rlhf_cli.cli import app
@@ -32,14 +31,9 @@ DPO = [
 
 
 @pytest.fixture(scope="module")
-def sft_run(small_recipe: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def sft_run(sft_folder: Callable[[str, dict], Path]) -> Path:
     """A tiny SFT run, once for the module; each test copies its folder."""
-    from rlhf_cli.stages.sft import run_sft
-
-    folder = tmp_path_factory.mktemp("dpo_sft")
-    updates = {"sft": {"epochs": 1}, "data": {"sft": {"max_samples": 160}}}
-    run_sft(load_recipe(small_recipe(folder, updates)), Console(stderr=True, quiet=True))
-    return folder
+    return sft_folder("dpo_sft", {"sft": {"epochs": 1}, "data": {"sft": {"max_samples": 160}}})
 
 
 @pytest.fixture

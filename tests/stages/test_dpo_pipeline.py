@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import yaml
-from rich.console import Console
 from typer.testing import CliRunner
 
 from rlhf_cli.cli import app
@@ -29,13 +28,9 @@ SFT = {"sft": {"epochs": 1}, "data": {"sft": {"max_samples": 160}}}
 
 
 @pytest.fixture(scope="module")
-def sft_run(small_recipe: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def sft_run(sft_folder: Callable[[str, dict], Path]) -> Path:
     """A tiny SFT run, once for the module; each test copies its folder."""
-    from rlhf_cli.stages.sft import run_sft
-
-    folder = tmp_path_factory.mktemp("dpo_pipeline_sft")
-    run_sft(load_recipe(small_recipe(folder, SFT)), Console(stderr=True, quiet=True))
-    return folder
+    return sft_folder("dpo_pipeline_sft", SFT)
 
 
 @pytest.fixture

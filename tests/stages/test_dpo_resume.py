@@ -14,16 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-from rich.console import Console
 from safetensors.torch import load_file
 from test_sft_rm_resume import _signal_at
 from typer.testing import CliRunner
 
 from rlhf_cli.cli import app
-from rlhf_cli.recipe import load_recipe
 
 pytestmark = pytest.mark.slow
-QUIET = Console(stderr=True, quiet=True)
 # 96 pairs: 82 trained on, 16 a step, 6 steps; a checkpoint every 2, the stop after step 3
 SETTINGS = {
     "sft": {"epochs": 1},
@@ -41,15 +38,9 @@ QLORA = {
 
 @pytest.fixture(scope="module", params=[SETTINGS, QLORA], ids=["lora", "4-bit"])
 def sft_run(
-    request: pytest.FixtureRequest,
-    small_recipe: Callable[..., Path],
-    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest, sft_folder: Callable[[str, dict], Path]
 ) -> tuple[Path, dict[str, Any]]:
-    from rlhf_cli.stages.sft import run_sft
-
-    folder = tmp_path_factory.mktemp("dpo_resume_sft")
-    run_sft(load_recipe(small_recipe(folder, request.param)), QUIET)
-    return folder, request.param
+    return sft_folder("dpo_resume_sft", request.param), request.param
 
 
 def test_an_interrupted_dpo_resumed_ends_where_an_uninterrupted_one_does(

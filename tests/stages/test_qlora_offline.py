@@ -12,12 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 from test_offline_methods import thumbs_rows
 from typer.testing import CliRunner
 
 from rlhf_cli.cli import app
-from rlhf_cli.recipe import load_recipe
 from rlhf_cli.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -32,13 +30,9 @@ FEW_STEPS = ["learning_rate=1e-3", "batch_size=16", "max_length=128", "logging_s
 
 
 @pytest.fixture(scope="module")
-def sft_run(small_recipe: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def sft_run(sft_folder: Callable[[str, dict], Path]) -> Path:
     """A tiny LoRA SFT on the 4-bit base, once for the module; each test copies its folder."""
-    from rlhf_cli.stages.sft import run_sft
-
-    folder = tmp_path_factory.mktemp("qlora_sft")
-    run_sft(load_recipe(small_recipe(folder, QLORA)), Console(stderr=True, quiet=True))
-    return folder
+    return sft_folder("qlora_sft", QLORA)
 
 
 @pytest.fixture
