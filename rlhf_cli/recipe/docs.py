@@ -118,4 +118,13 @@ what it trains on or scores); `--json` for CI; exit 2 when a stage would get no 
 dataset is streamed, not downloaded: its first `--sample` rows (default 2000) are read and the
 report says so. Every stage writes the same figures into its manifest (`data`), and
 `rlhf status` shows them.
+
+The offline methods are checked when named, since no recipe field says which one will run:
+`rlhf validate --data --stage dpo` (or `kto`, `orpo`, `simpo`; `--stage` repeats, and `sft`,
+`train-rm`, `ppo` name the others) reads `data.preferences` as that stage reads it, so KTO on
+pairs or DPO on thumbs rows fails here in the same one line, and tokenises each answer after
+its prompt with the policy's tokenizer and chat template: prompt and answer lengths against
+`<method>.max_length`, the answers it cuts and the rows whose prompt fills it (TRL drops them),
+the pairs' length bias (these methods learn a preference for length as readily as a reward
+model does) or KTO's share of thumbs-up.
 """

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlhf_cli.data import Example, load_preferences, load_prompts, load_sft, prompt_text
+from rlhf_cli.data.offline import read_pairs, read_thumbs
 from rlhf_cli.data.prompts import tokenize_prompts
 from rlhf_cli.errors import DataError, ModelLoadError
 from rlhf_cli.modeling import load_policy_tokenizer, load_tokenizer
@@ -84,12 +85,10 @@ def _needing(check: Callable[..., dict[str, Any]], recipe: Recipe, *args: Any) -
 
 def _offline(recipe: Recipe, method: str, row: int | None, sample: int) -> dict[str, Any]:
     """An offline method's rows (pairs; KTO's thumbs rows) under the policy's tokenizer."""
-    from rlhf_cli.stages.dpo import METHODS, read_pairs, read_thumbs
-
     source = recipe.data.preferences
     if source is None:
         raise DataError(f"rlhf {method} trains on preference data: set data.preferences")
-    paired, chat = METHODS[method].paired, recipe.model.prompt_format == "chat"
+    paired, chat = method != "kto", recipe.model.prompt_format == "chat"  # KTO: thumbs rows
     tokenizer = _policy_tokenizer(recipe, "right")
     data = read_pairs(source, method, None, sample) if paired else read_thumbs(source, None, sample)
     limit = (f"{method}.max_length", getattr(recipe, method).max_length)
