@@ -10,7 +10,7 @@ two optimiser steps (the second is the first with AdamW's moments alive through 
 or two PPO iterations.
 
 `release_freed_memory` works on the other side of that gap: it hands the allocator's free
-pages back to the OS between PPO's phases."""
+pages back to the OS after PPO's rollout and after each mini-batch of its update."""
 
 from __future__ import annotations
 

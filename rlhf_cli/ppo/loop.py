@@ -162,7 +162,6 @@ def run_iteration(
     # 3. Update: K epochs over shuffled mini-batches.
     t_update = time.perf_counter()
     stats = ppo_update(run, rollout, shaped.advantages, shaped.returns, kl_coef)
-    release_freed_memory()  # the last mini-batch's activations, before the next rollout
     update_s = time.perf_counter() - t_update
     # 4. β moves once per iteration, toward the target KL (measured after the update, whose
     #    forward may have given the old log-probs).
